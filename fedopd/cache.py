@@ -1,0 +1,207 @@
+"""Scoring cache and candidate scores (SPEC §2 steps 2.3 and 4; paper App. "Trajectory cache").
+
+Before any optimizer step a client keeps, for ``cache.rollouts`` of its rollouts and at most
+``cache.positions`` evenly spaced response positions in each, the teacher's and the starting
+student's probabilities on S = teacher top-k ∪ student top-k plus one tail bucket (full-softmax
+probabilities, not renormalized). A candidate θ_t + aΔ is then scored on the same prefixes with
+the same S:
+
+    Ĵ_i(a) = mean KL(q̃ ‖ π̃_{t,a}),     K̂_i(a) = mean KL(π̃_t ‖ π̃_{t,a}).
+
+The first half of this module is pure tensor math; :func:`build_scoring_cache` and
+:func:`score_candidates` run the student through :mod:`fedopd.models`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fedopd.lora import apply_increment
+
+# ---------------------------------------------------------------------------------------------
+# Pure math
+# ---------------------------------------------------------------------------------------------
+
+
+def coarsen(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Coarsen full distributions onto retained ids plus one tail bucket.
+
+    probs: (..., V) full-softmax probabilities. token_ids: (..., k) int64, ``-1`` = padding.
+    Returns (..., k+1): ``probs`` at the ids (0 at padding), then the tail ``1 − Σ`` clamped at 0.
+    The retained entries are not renormalized.
+    """
+    pad = token_ids < 0
+    kept = probs.gather(-1, token_ids.clamp_min(0)).masked_fill(pad, 0.0)
+    tail = (1.0 - kept.sum(-1, keepdim=True)).clamp_min(0.0)
+    return torch.cat([kept, tail], dim=-1)
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) over the last dimension, with 0·log 0 = 0 (and +inf where q = 0 < p)."""
+    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+
+
+def union_top_k(first: torch.Tensor, second: torch.Tensor, k: int) -> torch.Tensor:
+    """Per position, the union of the top-``k`` ids of two score tensors (..., V).
+
+    Returns (..., 2k) int64: the union sorted ascending, duplicates replaced by ``-1`` padding,
+    padding moved to the end.
+    """
+    ids = torch.cat([first.topk(k, dim=-1).indices, second.topk(k, dim=-1).indices], dim=-1)
+    ids, _ = ids.sort(dim=-1)
+    dup = torch.zeros_like(ids, dtype=torch.bool)
+    dup[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = ids.masked_fill(dup, -1)
+    # Stable sort on "is padding" moves -1 to the end and keeps the ascending order of the rest.
+    order = torch.sort(dup.to(torch.int8), dim=-1, stable=True).indices
+    return ids.gather(-1, order)
+
+
+def cache_positions(response_length: int, max_positions: int) -> np.ndarray:
+    """At most ``max_positions`` evenly spaced response positions in [0, response_length).
+
+    Position j means "the distribution that predicts response token j". Deterministic: the first
+    and the last response token are always included when there are at least two.
+    """
+    if response_length <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if response_length <= max_positions:
+        return np.arange(response_length, dtype=np.int64)
+    return np.unique(np.round(np.linspace(0, response_length - 1, max_positions)).astype(np.int64))
+
+
+def choose_cache_rollouts(num_rollouts: int, num_cached: int, seed: int) -> np.ndarray:
+    """Indices of the rollouts to cache: ``num_cached`` of ``num_rollouts`` at random, sorted."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(num_rollouts, size=min(num_cached, num_rollouts), replace=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache and candidate scoring
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoringCache:
+    """What a client keeps between its ``train`` reply and the ``query.score`` message.
+
+    input_ids:      (R, L) int64, the cached prompt+response sequences, right-padded with 0.
+    attention_mask: (R, L) int64.
+    positions:      (N, 2) int64 rows of (sequence index, index in the sequence whose next-token
+                    distribution is scored).
+    token_ids:      (N, 2k) int64 retained ids S per position, -1 = padding.
+    teacher:        (N, 2k+1) float32 coarsened teacher probabilities q̃.
+    student:        (N, 2k+1) float32 coarsened starting-student probabilities π̃_t.
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    positions: np.ndarray
+    token_ids: np.ndarray
+    teacher: np.ndarray
+    student: np.ndarray
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.positions.shape[0])
+
+    def teacher_score_at_start(self) -> float:
+        """Mean KL(q̃ ‖ π̃_t): Ĵ_i(0) by construction."""
+        return float(kl(torch.from_numpy(self.teacher), torch.from_numpy(self.student)).mean())
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "ScoringCache":
+        return cls(**{f.name: np.asarray(arrays[f.name]) for f in fields(cls)})
+
+
+def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> ScoringCache:
+    """Pick cached rollouts and positions, and store q̃ and π̃_t on S (before any optimizer step).
+
+    ``student`` and ``teacher`` are :class:`fedopd.models.CausalLM` objects, the student holding
+    θ_t; ``rollouts`` a :class:`fedopd.rollout.Rollouts`; ``settings`` a
+    :class:`fedopd.config.CacheSettings`.
+    """
+    chosen = choose_cache_rollouts(len(rollouts), settings.rollouts, seed)
+    seqs, mask, positions = [], [], []
+    for r, idx in enumerate(chosen):
+        prompt, response = rollouts.prompt_ids[idx], rollouts.response_ids[idx]
+        seqs.append(list(prompt) + list(response))
+        for j in cache_positions(len(response), settings.positions):
+            positions.append((r, len(prompt) - 1 + int(j)))
+    if not positions:
+        raise ValueError("scoring cache: every cached rollout has an empty response")
+    width = max(len(s) for s in seqs)
+    input_ids = np.zeros((len(seqs), width), dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for r, s in enumerate(seqs):
+        input_ids[r, : len(s)] = s
+        mask[r, : len(s)] = 1
+    positions = np.asarray(positions, dtype=np.int64)
+
+    with torch.no_grad():
+        t_logits = _logits_at(teacher, input_ids, mask, positions)
+        s_logits = _logits_at(student, input_ids, mask, positions)
+        token_ids = union_top_k(t_logits, s_logits, settings.top_k)
+        q = coarsen(torch.softmax(t_logits, -1), token_ids)
+        p = coarsen(torch.softmax(s_logits, -1), token_ids)
+    return ScoringCache(
+        input_ids=input_ids,
+        attention_mask=mask,
+        positions=positions,
+        token_ids=token_ids.numpy(),
+        teacher=q.numpy(),
+        student=p.numpy(),
+    )
+
+
+def coarse_student(student, cache: ScoringCache) -> torch.Tensor:
+    """π̃ of the student's current weights at the cached prefixes, (N, 2k+1) float32 on CPU."""
+    with torch.no_grad():
+        logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions)
+        return coarsen(torch.softmax(logits, -1), torch.from_numpy(cache.token_ids))
+
+
+def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[float, float]:
+    """(Ĵ_i, K̂_i) of one candidate's coarsened distributions against the cache."""
+    teacher_score = kl(torch.from_numpy(cache.teacher), candidate).mean()
+    change_score = kl(torch.from_numpy(cache.student), candidate).mean()
+    return float(teacher_score), float(change_score)
+
+
+def score_candidates(
+    student,
+    cache: ScoringCache,
+    theta: Sequence[np.ndarray],
+    increment: Sequence[np.ndarray],
+    multipliers: Sequence[float],
+) -> tuple[list[float], list[float]]:
+    """Ĵ_i(a) and K̂_i(a) for each multiplier a, with the student's LoRA set to θ_t + aΔ.
+
+    The student's adapter is left at the last candidate; callers load the factors they need
+    before their next use.
+    """
+    teacher_scores, change_scores = [], []
+    for a in multipliers:
+        student.set_lora_arrays(apply_increment(theta, increment, a))
+        j, k = candidate_scores(cache, coarse_student(student, cache))
+        teacher_scores.append(j)
+        change_scores.append(k)
+    return teacher_scores, change_scores
+
+
+def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray):
+    """fp32 logits (N, V) at ``positions``; the LM head runs only there."""
+    ids = torch.from_numpy(input_ids).to(model.device)
+    att = torch.from_numpy(mask).to(model.device)
+    # Nothing after the last scored position influences it (causal attention): cut the batch there.
+    width = int(positions[:, 1].max()) + 1
+    hidden = model.hidden_states(ids[:, :width], att[:, :width])
+    pos = torch.from_numpy(positions).to(model.device)
+    return model.logits(hidden[pos[:, 0], pos[:, 1]]).float().cpu()

@@ -1,0 +1,368 @@
+"""The run configuration: one typed object, parsed and validated once.
+
+Flower hands the ClientApp and the ServerApp a flat ``run_config`` dict whose keys are grouped
+by prefix (SPEC §5): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
+turns that dict into a frozen :class:`RunConfig` with one dataclass per group, and rejects any bad
+value before work starts with a :class:`ConfigError` that names the key, the value and what is
+allowed. Engine code receives the group it needs (``cfg.train``, ``cfg.cache``), never the dict.
+
+``python -m fedopd.config FILE.toml`` validates a preset over the app's defaults (read from the
+``[tool.flwr.app.config]`` table of ``pyproject.toml``) without loading any model and prints the
+resolved configuration as JSON with the run-config key names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A run-config value that is missing, of the wrong type, or out of range."""
+
+
+BACKENDS = ("auto", "hf", "vllm")
+DATASETS = ("tiny-arith", "math")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+OPTIMIZER_STATES = ("persistent", "reset")
+STRATEGIES = ("fedavg", "fixed", "fedtops")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    student: str = "builtin:tiny-student"
+    teacher: str = "builtin:tiny-teacher"
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "tiny-arith"
+    prompts_per_client: int = 64
+    max_prompt_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    backend: str = "auto"
+    per_round: int = 32
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    lr: float = 3e-6
+    mini_batch: int = 8
+    micro_batch: int = 4
+    optimizer_state: str = "persistent"
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    name: str = "fedtops"
+    multiplier: float = 1.0
+    candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+    trust_budget: float = 0.05
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    rollouts: int = 4
+    positions: int = 16
+    top_k: int = 16
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    num_server_rounds: int = 3
+    seed: int = 42
+    output_dir: str = "runs"
+    preset: str = "tiny"
+    model: ModelConfig = ModelConfig()
+    lora: LoraSettings = LoraSettings()
+    data: DataConfig = DataConfig()
+    rollout: RolloutSettings = RolloutSettings()
+    train: TrainSettings = TrainSettings()
+    strategy: StrategyConfig = StrategyConfig()
+    cache: CacheSettings = CacheSettings()
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "RunConfig":
+        return parse_run_config(run_config)
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The flat run-config dict (SPEC §5 key names) that this object was parsed from."""
+        out: dict[str, Any] = {}
+        for key, (path, _) in _KEYS.items():
+            value = _get(self, path)
+            if key == "strategy.candidates":
+                value = ",".join(_fmt_float(a) for a in value)
+            out[key] = value
+        return out
+
+    @property
+    def local_steps_per_round(self) -> int:
+        return math.ceil(self.rollout.per_round / self.train.mini_batch)
+
+    @property
+    def total_local_steps(self) -> int:
+        """Optimizer steps one client takes over the whole run (the cosine schedule's length)."""
+        return self.num_server_rounds * self.local_steps_per_round
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and validation
+# ---------------------------------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> tuple[type, Check, str]:
+    desc = "an integer" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
+    return int, lambda v: (lo is None or v >= lo) and (hi is None or v <= hi), desc
+
+
+def _float(lo: float, *, strict: bool, hi: float | None = None) -> tuple[type, Check, str]:
+    op = ">" if strict else ">="
+    desc = f"a finite number {op} {lo}" + (f" and <= {hi}" if hi is not None else "")
+    return float, lambda v: math.isfinite(v) and (v > lo if strict else v >= lo) and (hi is None or v <= hi), desc
+
+
+def _choice(options: tuple[str, ...]) -> tuple[type, Check, str]:
+    return str, lambda v: v in options, "one of " + ", ".join(repr(o) for o in options)
+
+
+def _nonempty() -> tuple[type, Check, str]:
+    return str, lambda v: bool(v.strip()), "a non-empty string"
+
+
+# run-config key -> (attribute path, (type, check, allowed))
+_KEYS: dict[str, tuple[tuple[str, ...], tuple[type, Check, str]]] = {}
+
+
+def _key(key: str, path: str, spec: tuple[type, Check, str]) -> None:
+    _KEYS[key] = (tuple(path.split(".")), spec)
+
+
+_key("num-server-rounds", "num_server_rounds", _int(1))
+_key("seed", "seed", _int(0))
+_key("output-dir", "output_dir", _nonempty())
+_key("preset", "preset", _nonempty())
+_key("model.student", "model.student", _nonempty())
+_key("model.teacher", "model.teacher", _nonempty())
+_key("model.dtype", "model.dtype", _choice(DTYPES))
+_key("lora.rank", "lora.rank", _int(1))
+_key("lora.alpha", "lora.alpha", _float(0.0, strict=True))
+_key("data.name", "data.name", _choice(DATASETS))
+_key("data.prompts-per-client", "data.prompts_per_client", _int(1))
+_key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
+_key("rollout.backend", "rollout.backend", _choice(BACKENDS))
+_key("rollout.per-round", "rollout.per_round", _int(1))
+_key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
+_key("rollout.temperature", "rollout.temperature", _float(0.0, strict=True))
+_key("rollout.top-p", "rollout.top_p", _float(0.0, strict=True, hi=1.0))
+_key("train.lr", "train.lr", _float(0.0, strict=True))
+_key("train.mini-batch", "train.mini_batch", _int(1))
+_key("train.micro-batch", "train.micro_batch", _int(1))
+_key("train.optimizer-state", "train.optimizer_state", _choice(OPTIMIZER_STATES))
+_key("strategy.name", "strategy.name", _choice(STRATEGIES))
+_key("strategy.multiplier", "strategy.multiplier", _float(0.0, strict=False))
+_key("strategy.candidates", "strategy.candidates",
+     (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"))
+_key("strategy.trust-budget", "strategy.trust_budget", _float(0.0, strict=False))
+_key("cache.rollouts", "cache.rollouts", _int(1))
+_key("cache.positions", "cache.positions", _int(1))
+_key("cache.top-k", "cache.top_k", _int(1))
+
+RUN_CONFIG_KEYS = tuple(_KEYS)
+
+
+def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
+    return ConfigError(f"run config '{key}' = {value!r} is invalid{': ' + why if why else ''}; allowed: {allowed}")
+
+
+def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
+    if isinstance(value, bool):  # bool is an int subclass; never a valid number or string here
+        raise _fail(key, value, allowed)
+    if typ is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise _fail(key, value, allowed)
+    if typ is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise _fail(key, value, allowed)
+    if not isinstance(value, str):
+        raise _fail(key, value, allowed)
+    return value
+
+
+def parse_candidates(text: str, key: str = "strategy.candidates") -> tuple[float, ...]:
+    """Parse ``'0.5,1,2'`` into ``(0.5, 1.0, 2.0)``; order is kept (it breaks ties)."""
+    allowed = _KEYS[key][1][2]
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(not p for p in parts):
+        raise _fail(key, text, allowed, "empty entry")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError as err:
+        raise _fail(key, text, allowed, str(err)) from None
+    if any(not math.isfinite(a) or a < 0 for a in values):
+        raise _fail(key, text, allowed, "every candidate must be finite and >= 0")
+    if len(set(values)) != len(values):
+        raise _fail(key, text, allowed, "duplicate candidates")
+    return values
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """Validate a flat run-config dict (missing keys take the dataclass defaults)."""
+    unknown = sorted(set(run_config) - set(_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown run config key(s) {', '.join(repr(k) for k in unknown)}; "
+            f"allowed keys: {', '.join(RUN_CONFIG_KEYS)}"
+        )
+    values: dict[tuple[str, ...], Any] = {}
+    for key, raw in run_config.items():
+        path, (typ, check, allowed) = _KEYS[key]
+        if key == "strategy.candidates":
+            values[path] = parse_candidates(raw) if isinstance(raw, str) else _candidates_from_seq(raw)
+            continue
+        value = _coerce(key, raw, typ, allowed)
+        if not check(value):
+            raise _fail(key, raw, allowed)
+        values[path] = value
+
+    groups: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for path, value in values.items():
+        if len(path) == 1:
+            top[path[0]] = value
+        else:
+            groups.setdefault(path[0], {})[path[1]] = value
+    base = RunConfig()
+    for group, fields in groups.items():
+        top[group] = dataclasses.replace(getattr(base, group), **fields)
+    cfg = dataclasses.replace(base, **top)
+    _check_cross(cfg)
+    return cfg
+
+
+def _candidates_from_seq(raw: Any) -> tuple[float, ...]:
+    if isinstance(raw, (list, tuple)):
+        return parse_candidates(",".join(str(a) for a in raw))
+    raise _fail("strategy.candidates", raw, _KEYS["strategy.candidates"][1][2])
+
+
+def _check_cross(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.mini_batch % t.micro_batch:
+        raise ConfigError(
+            f"run config 'train.mini-batch' = {t.mini_batch} is not a multiple of "
+            f"'train.micro-batch' = {t.micro_batch}; allowed: a mini-batch that the micro-batch divides"
+        )
+    if cfg.cache.rollouts > cfg.rollout.per_round:
+        raise ConfigError(
+            f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "
+            f"{cfg.rollout.per_round}; allowed: at most the number of rollouts per round"
+        )
+
+
+def _get(obj: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        obj = getattr(obj, name)
+    return obj
+
+
+def _fmt_float(a: float) -> str:
+    return str(int(a)) if float(a).is_integer() else repr(float(a))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets and the command line
+# ---------------------------------------------------------------------------------------------
+
+def app_defaults(pyproject: str | Path | None = None) -> dict[str, Any]:
+    """The ``[tool.flwr.app.config]`` table of the app's ``pyproject.toml``."""
+    path = Path(pyproject) if pyproject else Path(__file__).resolve().parent.parent / "pyproject.toml"
+    with open(path, "rb") as f:
+        return dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+
+
+def load_preset(path: str | Path) -> dict[str, Any]:
+    """Read a run-config TOML file (flat keys, as accepted by ``flwr run --run-config FILE``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run config file '{path}' does not exist")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"run config file '{path}' is not valid TOML: {err}") from None
+    return _flatten(data)
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0] in ("-h", "--help")):
+        print("usage: python -m fedopd.config [PRESET.toml]", file=sys.stderr)
+        return 2
+    try:
+        merged = app_defaults()
+        if argv:
+            merged.update(load_preset(argv[0]))
+        cfg = parse_run_config(merged)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(cfg.to_run_config(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Loading the student and the teacher, the student's LoRA adapter, and adapter folders.
+
+Both models load with ``transformers`` from a hub id or a local folder (the built-in tiny models of
+:mod:`fedopd.tiny` are local folders too, so they take exactly this path). Computation runs in
+bf16 on GPU and fp32 on CPU; the LoRA factors are fp32 in both cases (PEFT upcasts adapters), and
+they cross the wire as an ordered list of fp32 numpy arrays (:mod:`fedopd.lora`).
+
+:class:`CausalLM` exposes the two halves of a forward pass separately, final hidden states and the
+LM head, so that callers can evaluate the vocabulary projection only where it is needed (cached
+positions) or chunk by chunk (the OPD loss).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedopd.config import LoraSettings
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class ModelLoadError(ValueError):
+    """A model name that cannot be resolved or loaded, or an incompatible student/teacher pair."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, dtypes, names
+# ---------------------------------------------------------------------------------------------
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bf16 on GPU, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention 2 when it is importable and a GPU is used, else PyTorch SDPA."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def resolve_model_path(name: str) -> str:
+    """A local folder, a hub id, or ``builtin:tiny-student`` / ``builtin:tiny-teacher``.
+
+    Raises :class:`ModelLoadError` for a name that is none of these, before anything is loaded.
+    """
+    if name.startswith("builtin:"):
+        from fedopd.tiny import builtin_model_path
+
+        return str(builtin_model_path(name.removeprefix("builtin:")))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model path '{name}' exists but has no config.json: not a transformers model folder")
+        return str(path)
+    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+        raise ModelLoadError(
+            f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', "
+            "or one of builtin:tiny-student, builtin:tiny-teacher"
+        )
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# The model wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CausalLM:
+    """A causal LM (optionally PEFT-wrapped) split into body and head.
+
+    ``logit_width`` is the vocabulary width compared between student and teacher (SPEC §3: the
+    shared tokenizer length when their logit widths differ).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    logit_width: int
+    name: str
+
+    # -- forward ---------------------------------------------------------------------------------
+    @property
+    def causal_lm(self):
+        """The transformers ``*ForCausalLM`` module (inside the PEFT wrapper, if any)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final (post-norm) hidden states (B, T, H); LoRA layers are active if attached."""
+        body = self.causal_lm.base_model
+        return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states (..., H) -> (..., logit_width), in the model's dtype."""
+        head = self.causal_lm.get_output_embeddings()
+        bias = head.bias[: self.logit_width] if head.bias is not None else None
+        out = F.linear(hidden, head.weight[: self.logit_width], bias)
+        cap = getattr(self.causal_lm.config, "final_logit_softcapping", None)
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    @property
+    def vocab_width(self) -> int:
+        return int(self.causal_lm.get_output_embeddings().weight.shape[0])
+
+    # -- LoRA ------------------------------------------------------------------------------------
+    def lora_names(self) -> list[str]:
+        """Names of the LoRA factors in wire order (PEFT's saved key names)."""
+        from peft import get_peft_model_state_dict
+
+        return list(get_peft_model_state_dict(self.model).keys())
+
+    def get_lora_arrays(self) -> list[np.ndarray]:
+        """The LoRA factors as fp32 numpy arrays (copies), in :meth:`lora_names` order."""
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model)
+        return [t.detach().to(torch.float32).cpu().numpy().copy() for t in state.values()]
+
+    def set_lora_arrays(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy fp32 factors into the adapter (bit-exact for an fp32 adapter)."""
+        from peft import set_peft_model_state_dict
+
+        names = self.lora_names()
+        if len(arrays) != len(names):
+            raise ValueError(f"got {len(arrays)} LoRA arrays, the student has {len(names)} factors")
+        state = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for n, a in zip(names, arrays)}
+        result = set_peft_model_state_dict(self.model, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"LoRA arrays did not match the adapter: unexpected keys {unexpected[:3]}")
+
+    def lora_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def lora_config(self):
+        """The adapter's ``peft.LoraConfig``."""
+        return self.model.peft_config["default"]
+
+
+def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | None = None) -> CausalLM:
+    """Load a frozen causal LM and its tokenizer from a hub id, a local folder or a builtin name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attention_implementation(device)
+        )
+    except OSError as err:
+        raise ModelLoadError(f"could not load model '{name}' (resolved to '{path}'): {err}") from err
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return CausalLM(model, tokenizer, device, torch_dtype, int(model.get_output_embeddings().weight.shape[0]), name)
+
+
+def lora_config(settings: LoraSettings, base_model: str | None = None):
+    """The ``peft.LoraConfig`` of SPEC §3 (rank 8, alpha 16, dropout 0, all linear projections)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=True,  # Kaiming-uniform A, zero B
+        base_model_name_or_path=base_model,
+    )
+
+
+def attach_lora(lm: CausalLM, settings: LoraSettings, seed: int) -> CausalLM:
+    """Wrap ``lm`` with a trainable PEFT LoRA adapter, PEFT default init drawn from ``seed``."""
+    from peft import get_peft_model
+
+    config = lora_config(settings, lm.causal_lm.name_or_path)
+    devices = [lm.device] if lm.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = get_peft_model(lm.model, config)
+    return CausalLM(model, lm.tokenizer, lm.device, lm.dtype, lm.logit_width, lm.name)
+
+
+def check_same_tokenizer(student: CausalLM, teacher: CausalLM) -> None:
+    """Refuse a pair whose tokenizers differ (OPD compares distributions token id by token id)."""
+    s, t = student.tokenizer, teacher.tokenizer
+    problems = []
+    if s.get_vocab() != t.get_vocab():
+        problems.append(f"vocabularies differ ({len(s)} vs {len(t)} tokens)")
+    if s.eos_token_id != t.eos_token_id:
+        problems.append(f"eos token ids differ ({s.eos_token_id} vs {t.eos_token_id})")
+    if problems:
+        raise ModelLoadError(
+            f"student '{student.name}' and teacher '{teacher.name}' must share a tokenizer: " + "; ".join(problems)
+        )
+
+
+def load_pair(
+    student_name: str,
+    teacher_name: str,
+    *,
+    lora: LoraSettings,
+    seed: int,
+    dtype: str = "auto",
+    device: torch.device | None = None,
+) -> tuple[CausalLM, CausalLM]:
+    """Load the student (with LoRA attached) and the teacher; check that they can be compared."""
+    resolve_model_path(student_name), resolve_model_path(teacher_name)  # fail fast on both names
+    teacher = load_causal_lm(teacher_name, dtype=dtype, device=device)
+    student = load_causal_lm(student_name, dtype=dtype, device=device)
+    check_same_tokenizer(student, teacher)
+    if student.vocab_width != teacher.vocab_width:
+        width = len(student.tokenizer)
+        if width > min(student.vocab_width, teacher.vocab_width):
+            raise ModelLoadError(
+                f"tokenizer has {width} tokens but student '{student_name}' has {student.vocab_width} "
+                f"logits and teacher '{teacher_name}' {teacher.vocab_width}"
+            )
+        student.logit_width = teacher.logit_width = width
+    return attach_lora(student, lora, seed), teacher
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter folders (PEFT format)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_adapter(path: str | Path, names: Sequence[str], arrays: Sequence[np.ndarray], config) -> Path:
+    """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Needs no model: the server writes the global adapter from the arrays it aggregated. ``config``
+    is the ``peft.LoraConfig`` (:func:`lora_config`).
+    """
+    from safetensors.numpy import save_file
+
+    if len(names) != len(arrays):
+        raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(names, arrays)}, str(path / ADAPTER_WEIGHTS))
+    config.save_pretrained(str(path))
+    return path
+
+
+def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> tuple[list[str], list[np.ndarray]]:
+    """Read a PEFT adapter folder into (names, fp32 arrays), in ``names`` order when given."""
+    from safetensors.numpy import load_file
+
+    weights = Path(path) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"adapter folder '{path}' has no {ADAPTER_WEIGHTS}")
+    tensors = load_file(str(weights))
+    names = list(names) if names is not None else list(tensors)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"adapter '{path}' lacks {len(missing)} factors, e.g. '{missing[0]}'")
+    return names, [tensors[n].astype(np.float32) for n in names]
+

@@ -1,0 +1,244 @@
+"""Local on-policy distillation: the exact reverse-KL loss and the client's optimisation loop.
+
+The loss at a response position h is KL(p_θ(·|h) ‖ q(·|h)) over the full vocabulary, from fp32
+logits, averaged over the response tokens of a mini-batch (token mean). It is computed in chunks
+of positions, each under activation checkpointing, so that at most one chunk of fp32
+(positions × vocabulary) intermediates is alive in the forward *and* in the backward pass.
+
+The loop is written out nanoGPT-style: one epoch over the round's rollouts, mini-batches of
+``train.mini-batch`` rollouts (one AdamW step each) accumulated from micro-batches of
+``train.micro-batch``, gradient-norm clipping, and a cosine learning rate without warmup over the
+run's total local steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fedopd.teacher import TokenBatch, make_batch, teacher_hidden
+
+DEFAULT_CHUNK = 1024
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def token_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(student) ‖ softmax(teacher)) per position, (..., V) -> (...), fp32."""
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
+    return (s.exp() * (s - t)).sum(-1)
+
+
+def _chunked_sum(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], chunk_size: int) -> torch.Tensor:
+    """Σ over chunks of rows of ``fn(*chunk)``, each chunk checkpointed when gradients flow."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    n = tensors[0].shape[0]
+    total = tensors[0].new_zeros((), dtype=torch.float32)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    for i in range(0, n, chunk_size):
+        parts = [t[i : i + chunk_size] for t in tensors]
+        total = total + (checkpoint(fn, *parts, use_reentrant=False) if grad else fn(*parts))
+    return total
+
+
+def reverse_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Token mean over ``mask == 1`` of KL(softmax(student) ‖ softmax(teacher)).
+
+    Shapes (B, T, V), (B, T, V), (B, T). Returns a scalar; 0 when the mask is empty.
+    """
+    if student_logits.shape != teacher_logits.shape or student_logits.shape[:-1] != mask.shape:
+        raise ValueError(
+            f"reverse_kl: shapes {tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}, {tuple(mask.shape)}"
+        )
+    v = student_logits.shape[-1]
+    m = mask.reshape(-1).to(torch.float32)
+
+    def chunk_loss(s, t, w):
+        return (token_reverse_kl(s, t) * w).sum()
+
+    total = _chunked_sum(chunk_loss, [student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), m], chunk_size)
+    return total / m.sum().clamp_min(1.0)
+
+
+def reverse_kl_sum_from_hidden(
+    student_hidden: torch.Tensor,
+    student_head: Callable[[torch.Tensor], torch.Tensor],
+    teacher_hidden: torch.Tensor,
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Σ over N positions of the reverse KL, from packed hidden states (N, H_s) and (N, H_t).
+
+    The heads run inside each checkpointed chunk, so memory is O(N·H + chunk·V), never O(N·V).
+    """
+    if student_hidden.shape[0] != teacher_hidden.shape[0]:
+        raise ValueError(f"{student_hidden.shape[0]} student positions vs {teacher_hidden.shape[0]} teacher positions")
+
+    def chunk_loss(hs, ht):
+        return token_reverse_kl(student_head(hs), teacher_head(ht)).sum()
+
+    return _chunked_sum(chunk_loss, [student_hidden, teacher_hidden], chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state across rounds
+# ---------------------------------------------------------------------------------------------
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], settings) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, eps=1e-8
+    )
+
+
+def optimizer_state_to_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    """AdamW moments and step counts as numpy arrays keyed ``"<param index>.<name>"``."""
+    out = {}
+    for idx, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            out[f"{idx}.{name}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+    return out
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray]) -> None:
+    """Inverse of :func:`optimizer_state_to_arrays` for an optimizer over the same parameters."""
+    current = optimizer.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = torch.from_numpy(np.array(value))
+    num_params = sum(len(g["params"]) for g in current["param_groups"])
+    if state and max(state) >= num_params:
+        raise ValueError(f"optimizer state covers {max(state) + 1} parameters, the adapter has {num_params}")
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
+    """Cosine decay from ``base_lr`` (step 0) towards 0 (step ``total_steps``), no warmup."""
+    progress = min(max(step, 0), total_steps) / max(total_steps, 1)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# The local loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OPDResult:
+    arrays: list[np.ndarray]  # θ_{t,i}^+ in wire order
+    optimizer_state: dict[str, np.ndarray]
+    metrics: dict[str, float]
+
+
+def micro_batches(num_rollouts: int, mini_batch: int, micro_batch: int) -> list[list[list[int]]]:
+    """Rollout indices grouped as mini-batches of micro-batches, in order (one epoch)."""
+    if mini_batch % micro_batch:
+        raise ValueError(f"train.mini-batch = {mini_batch} is not a multiple of train.micro-batch = {micro_batch}")
+    minis = [list(range(s, min(s + mini_batch, num_rollouts))) for s in range(0, num_rollouts, mini_batch)]
+    return [[m[i : i + micro_batch] for i in range(0, len(m), micro_batch)] for m in minis]
+
+
+@torch.no_grad()
+def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Sequence[torch.Tensor], chunk: int) -> float:
+    """Token mean of the reverse KL over all batches (no gradients)."""
+    total, tokens = 0.0, 0
+    for batch, th in zip(batches, hidden):
+        hs = student.hidden_states(batch.input_ids, batch.attention_mask)[batch.loss_mask]
+        total += float(reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk))
+        tokens += batch.num_tokens
+    return total / max(tokens, 1)
+
+
+def local_opd(
+    student,
+    teacher,
+    rollouts,
+    settings,
+    *,
+    step_offset: int,
+    total_steps: int,
+    optimizer_state: dict[str, np.ndarray] | None = None,
+) -> OPDResult:
+    """One epoch of on-policy distillation of ``student`` (LoRA at θ_t) towards ``teacher``.
+
+    ``settings`` is a :class:`fedopd.config.TrainSettings`; ``step_offset`` the number of local
+    steps this client took in earlier rounds (the cosine schedule's position). Metrics:
+    ``loss`` (mean mini-batch loss), ``kl_before`` / ``kl_after`` (token-mean reverse KL on these
+    rollouts with θ_t and with the result), ``steps``, ``tokens``, ``teacher_s``, ``train_s``.
+    """
+    if len(rollouts) == 0:
+        raise ValueError("local_opd: no rollouts to train on")
+    pad = student.tokenizer.pad_token_id or 0
+    device = student.device
+    plan = micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch)
+    batches = {
+        tuple(idx): make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.response_ids[i] for i in idx], pad, device)
+        for mini in plan
+        for idx in mini
+    }
+
+    t0 = time.perf_counter()
+    hidden = {key: teacher_hidden(teacher, b) for key, b in batches.items()}
+    t1 = time.perf_counter()
+
+    chunk = settings.loss_chunk
+    kl_before = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
+
+    params = student.lora_parameters()
+    optimizer = make_optimizer(params, settings)
+    if optimizer_state:
+        load_optimizer_state(optimizer, optimizer_state)
+    student.model.train()
+    losses = []
+    for step, mini in enumerate(plan):
+        lr = cosine_lr(settings.lr, step_offset + step, total_steps)
+        keys = [tuple(idx) for idx in mini]
+        tokens = sum(batches[k].num_tokens for k in keys)
+        loss_sum = 0.0
+        for k in keys:
+            b = batches[k]
+            hs = student.hidden_states(b.input_ids, b.attention_mask)[b.loss_mask]
+            loss = reverse_kl_sum_from_hidden(hs, student.logits, hidden[k], teacher.logits, chunk) / max(tokens, 1)
+            loss.backward()
+            loss_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum)
+    student.model.eval()
+    t2 = time.perf_counter()
+
+    kl_after = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
+    return OPDResult(
+        arrays=student.get_lora_arrays(),
+        optimizer_state=optimizer_state_to_arrays(optimizer),
+        metrics={
+            "loss": float(np.mean(losses)),
+            "kl_before": kl_before,
+            "kl_after": kl_after,
+            "steps": len(plan),
+            "tokens": int(sum(b.num_tokens for b in batches.values())),
+            "lr_last": lr,
+            "teacher_s": t1 - t0,
+            "train_s": t2 - t1,
+        },
+    )

@@ -1,0 +1,143 @@
+"""Rollout engines: sample one response per prompt from the student with its current adapter.
+
+Every engine honours the same request contract, prompt token ids in and :class:`Rollouts` out,
+so the client round and the evaluation runner do not care which one runs. The Hugging Face engine
+(batched ``generate`` with KV cache) is the CPU path and the fallback on GPU; a vLLM engine
+implements the same interface for paper-scale runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one generation request."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Rollouts:
+    """Prompt and response token ids of a batch of rollouts, one response per prompt.
+
+    ``response_ids[i]`` ends with the EOS token unless ``capped[i]`` (the response reached
+    ``max_new_tokens`` without one).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    capped: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> np.ndarray:
+        return np.asarray([len(r) for r in self.response_ids], dtype=np.int64)
+
+    @property
+    def cap_hit_rate(self) -> float:
+        return float(np.mean(self.capped)) if self.capped else 0.0
+
+    def subset(self, indices: Sequence[int]) -> "Rollouts":
+        return Rollouts(
+            [self.prompt_ids[i] for i in indices],
+            [self.response_ids[i] for i in indices],
+            [self.capped[i] for i in indices],
+        )
+
+
+class RolloutEngine(ABC):
+    """Generates rollouts from the student with the LoRA factors it was last given."""
+
+    @abstractmethod
+    def set_adapter(self, arrays: Sequence[np.ndarray]) -> None:
+        """Use these LoRA factors (fp32, wire order) for the following requests."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
+        """One sampled response per prompt."""
+
+
+def split_response(tokens: Sequence[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut generated tokens after the first EOS (kept); report whether the length cap was hit."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eos_ids:
+            return out, False
+    return out, len(out) >= max_new_tokens
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched ``generate`` on the student :class:`fedopd.models.CausalLM` (LoRA unmerged)."""
+
+    def __init__(self, student, batch_size: int = 32):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.student = student
+        self.batch_size = batch_size
+        tok = student.tokenizer
+        eos = student.causal_lm.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {int(e) for e in eos + [tok.eos_token_id] if e is not None}
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def set_adapter(self, arrays: Sequence[np.ndarray]) -> None:
+        self.student.set_lora_arrays(arrays)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,  # no top-k truncation: the paper samples with top-k = -1
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+        )
+        model = self.student.model
+        device = self.student.device
+        responses: list[list[int]] = []
+        capped: list[bool] = []
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(params.seed)
+            for start in range(0, len(prompts), self.batch_size):
+                batch = [list(p) for p in prompts[start : start + self.batch_size]]
+                width = max(len(p) for p in batch)
+                ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, p in enumerate(batch):  # left padding: generation continues every row at the end
+                    ids[i, width - len(p) :] = torch.tensor(p)
+                    mask[i, width - len(p) :] = 1
+                out = model.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+                )
+                for row in out[:, width:].tolist():
+                    response, hit = split_response(row, self.eos_ids, params.max_new_tokens)
+                    responses.append(response)
+                    capped.append(hit)
+        return Rollouts([list(p) for p in prompts], responses, capped)
+
+
+def make_rollout_engine(backend: str, student, **kwargs) -> RolloutEngine:
+    """The engine for ``rollout.backend``; ``auto`` = vLLM where importable with CUDA, else HF."""
+    if backend not in ("auto", "hf", "vllm"):
+        raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
+    if backend == "vllm":
+        raise ValueError("rollout.backend = 'vllm' is not available yet in this build; use 'hf' or 'auto'")
+    return HFRolloutEngine(student, **kwargs)

@@ -1,0 +1,122 @@
+"""One client round, named as in the paper: rollouts → teacher → scoring cache → local OPD, and
+the candidate scores of the server's query. Flower-free: the ClientApp is a thin shell over
+:func:`train_round` and :func:`score_round`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fedopd.cache import ScoringCache, build_scoring_cache, score_candidates
+from fedopd.config import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
+from fedopd.data import Prompt, round_indices
+from fedopd.grading import is_correct
+from fedopd.models import CausalLM, load_pair
+from fedopd.opd import local_opd
+from fedopd.rollout import RolloutEngine, SamplingParams, make_rollout_engine
+
+
+@dataclass
+class ClientModels:
+    """The base models of one worker process, shared by every logical client it serves."""
+
+    student: CausalLM  # with a LoRA adapter; its factors are loaded per use
+    teacher: CausalLM
+    rollout: RolloutEngine
+
+
+def load_client_models(
+    student: str, teacher: str, *, lora: LoraSettings, backend: str, dtype: str = "auto", seed: int = 0
+) -> ClientModels:
+    s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
+    return ClientModels(s, t, make_rollout_engine(backend, s))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed from (run seed, round, partition id, purpose...): independent streams."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+@dataclass
+class TrainOutput:
+    arrays: list[np.ndarray]
+    optimizer_state: dict[str, np.ndarray]
+    cache: ScoringCache
+    metrics: dict[str, float]
+
+
+def train_round(
+    models: ClientModels,
+    theta: Sequence[np.ndarray],
+    prompts: Sequence[Prompt],
+    *,
+    rollout: RolloutSettings,
+    cache: CacheSettings,
+    train: TrainSettings,
+    server_round: int,
+    seed: int,
+    step_offset: int,
+    total_steps: int,
+    optimizer_state: dict[str, np.ndarray] | None = None,
+) -> TrainOutput:
+    """A client's work in one round, from the global factors θ_t.
+
+    ``seed`` is the client's seed (run seed and partition id); the prompt order, sampling and
+    cache choice derive from it and ``server_round``.
+    """
+    if not prompts:
+        raise ValueError("train_round: the client has no prompts")
+    t0 = time.perf_counter()
+    models.rollout.set_adapter(theta)
+    models.student.set_lora_arrays(theta)
+    batch = [prompts[i] for i in round_indices(len(prompts), server_round, rollout.per_round, seed)]
+    params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, derive_seed(seed, server_round, 1))
+    rollouts = models.rollout.generate([p.token_ids for p in batch], params)
+    t1 = time.perf_counter()
+
+    texts = models.student.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
+    accuracy = float(np.mean([is_correct(text, p.answer) for text, p in zip(texts, batch)]))
+    t2 = time.perf_counter()
+
+    scoring_cache = build_scoring_cache(models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2))
+    t3 = time.perf_counter()
+
+    result = local_opd(
+        models.student,
+        models.teacher,
+        rollouts,
+        train,
+        step_offset=step_offset,
+        total_steps=total_steps,
+        optimizer_state=optimizer_state,
+    )
+    t4 = time.perf_counter()
+
+    metrics = dict(result.metrics)
+    metrics.update(
+        response_length=float(rollouts.response_lengths.mean()),
+        cap_hit_rate=rollouts.cap_hit_rate,
+        accuracy=accuracy,
+        cache_teacher_score=scoring_cache.teacher_score_at_start(),
+        rollout_s=t1 - t0,
+        grade_s=t2 - t1,
+        cache_s=t3 - t2,
+        opd_s=t4 - t3,
+        total_s=t4 - t0,
+    )
+    return TrainOutput(result.arrays, result.optimizer_state, scoring_cache, metrics)
+
+
+def score_round(
+    models: ClientModels,
+    theta: Sequence[np.ndarray],
+    increment: Sequence[np.ndarray],
+    scoring_cache: ScoringCache,
+    multipliers: Sequence[float],
+) -> tuple[list[float], list[float]]:
+    """Ĵ_i(a) and K̂_i(a) for each multiplier (only scalars leave this function)."""
+    return score_candidates(models.student, scoring_cache, theta, increment, multipliers)

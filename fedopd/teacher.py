@@ -1,0 +1,71 @@
+"""Token batches of rollouts, and the teacher's next-token distributions on their responses.
+
+A response position is a position whose next-token distribution predicts a response token: for a
+prompt of length P and a response of length R these are sequence indices P−1 … P+R−2. Every
+tensor "at response positions" is packed: (N, ·) with N the number of response tokens of the
+batch, in row-major order of the (B, T) ``loss_mask``.
+
+The teacher runs once per micro-batch, without gradients. What is kept between the teacher pass
+and the loss is its final hidden state (width H, not V): the vocabulary projection happens chunk
+by chunk inside the loss, so full teacher distributions (N × V) are never held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded prompt+response sequences of a micro-batch.
+
+    input_ids, attention_mask: (B, T) int64. loss_mask: (B, T) bool, True at response positions.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def make_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> TokenBatch:
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError(f"make_batch: {len(prompt_ids)} prompts for {len(response_ids)} responses")
+    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), width), dtype=torch.long)
+    loss = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (s, p, r) in enumerate(zip(seqs, prompt_ids, response_ids)):
+        if not p:
+            raise ValueError(f"make_batch: prompt {i} is empty")
+        ids[i, : len(s)] = torch.tensor(s)
+        att[i, : len(s)] = 1
+        loss[i, len(p) - 1 : len(p) - 1 + len(r)] = True
+    return TokenBatch(ids.to(device), att.to(device), loss.to(device))
+
+
+@torch.no_grad()
+def teacher_hidden(teacher, batch: TokenBatch) -> torch.Tensor:
+    """The teacher's final hidden states at response positions, (N, H_teacher)."""
+    return teacher.hidden_states(batch.input_ids, batch.attention_mask)[batch.loss_mask]
+
+
+@torch.no_grad()
+def teacher_log_probs(teacher, batch: TokenBatch) -> torch.Tensor:
+    """The teacher's next-token log-distributions at response positions, (N, V) fp32.
+
+    Materialises N × V values: for inspection and tests. Training uses :func:`teacher_hidden`.
+    """
+    return torch.log_softmax(teacher.logits(teacher_hidden(teacher, batch)).float(), dim=-1)

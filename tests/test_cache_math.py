@@ -1,0 +1,78 @@
+"""Coarsening, KL and the cache's choice of rollouts and positions (SPEC §2.3, §4)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedopd.cache import cache_positions, choose_cache_rollouts, coarsen, kl, union_top_k
+
+
+def test_coarsen_keeps_probabilities_at_ids_and_adds_unrenormalized_tail():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    out = coarsen(probs, torch.tensor([3, 0]))
+    assert torch.allclose(out, torch.tensor([0.1, 0.5, 0.4]))
+
+
+def test_coarsen_padding_contributes_zero_and_is_not_in_the_tail_sum():
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    ids = torch.tensor([[1, -1, -1], [2, 4, -1]])
+    out = coarsen(probs, ids)
+    expected = torch.tensor([[0.2, 0.0, 0.0, 0.8], [1.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(out, expected)
+    assert out.shape == (2, 4)
+
+
+def test_coarsen_tail_is_clamped_at_zero():
+    probs = torch.tensor([0.6, 0.4 + 1e-6])  # sums to slightly more than 1
+    out = coarsen(probs, torch.tensor([0, 1]))
+    assert out[-1].item() == 0.0
+
+
+def test_kl_matches_hand_computation():
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.25, 0.75])
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert kl(p, q).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_kl_uses_zero_log_zero_and_is_infinite_where_q_vanishes():
+    assert kl(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5])).item() == pytest.approx(math.log(2.0))
+    assert kl(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0])).item() == math.inf
+    p = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    assert torch.equal(kl(p, p), torch.zeros(2))
+
+
+def test_coarsened_kl_lower_bounds_full_kl():
+    # Paper eq. (tail identity): KL(p||q) = KL(p~||q~) + p_T KL(p(.|T) || q(.|T)) >= KL(p~||q~).
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(50, 100, generator=gen), -1)
+    q = torch.softmax(torch.randn(50, 100, generator=gen), -1)
+    ids = union_top_k(p, q, 4)
+    assert torch.all(kl(coarsen(p, ids), coarsen(q, ids)) <= kl(p, q) + 1e-6)
+
+
+def test_union_top_k_pads_duplicates_at_the_end():
+    first = torch.tensor([0.0, 9.0, 8.0, 1.0, 0.5])  # top-2: ids 1, 2
+    second = torch.tensor([7.0, 0.0, 9.0, 0.1, 0.2])  # top-2: ids 2, 0
+    assert union_top_k(first, second, 2).tolist() == [0, 1, 2, -1]
+
+
+def test_cache_positions_are_evenly_spaced_and_at_most_the_maximum():
+    pos = cache_positions(151, 16)
+    assert len(pos) == 16
+    assert pos[0] == 0 and pos[-1] == 150
+    assert np.all(np.abs(np.diff(pos) - 10) <= 1)  # 150 / 15 = 10 apart
+    assert cache_positions(5, 16).tolist() == [0, 1, 2, 3, 4]
+    assert cache_positions(0, 16).tolist() == []
+    assert np.array_equal(cache_positions(151, 16), pos)  # no randomness
+
+
+def test_cache_rollouts_are_distinct_and_deterministic_in_the_seed():
+    a = choose_cache_rollouts(32, 4, seed=7)
+    assert len(set(a.tolist())) == 4 and a.min() >= 0 and a.max() < 32
+    assert np.array_equal(a, choose_cache_rollouts(32, 4, seed=7))
+    draws = {tuple(choose_cache_rollouts(32, 4, seed=s)) for s in range(10)}
+    assert len(draws) > 1
+    assert choose_cache_rollouts(3, 4, seed=0).tolist() == [0, 1, 2]

@@ -1,0 +1,74 @@
+"""One client round on the tiny models: rollouts → teacher → cache → local OPD → candidate scores."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fedopd.config import RunConfig
+from fedopd.data import encode_prompts, tiny_arith_partition
+from fedopd.lora import increment
+from fedopd.rollout import HFRolloutEngine
+from fedopd.round import ClientModels, score_round, train_round
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def round_result(tiny_pair):
+    student, teacher = tiny_pair
+    models = ClientModels(student, teacher, HFRolloutEngine(student))
+    cfg = RunConfig()
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
+    theta = student.get_lora_arrays()
+    out = train_round(
+        models,
+        theta,
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=16, max_new_tokens=24),
+        cache=cfg.cache,
+        train=dataclasses.replace(cfg.train, lr=2e-3),
+        server_round=1,
+        seed=42,
+        step_offset=0,
+        total_steps=6,
+    )
+    return models, theta, out
+
+
+def test_local_opd_lowers_the_kl_to_the_teacher_on_the_trained_rollouts(round_result):
+    _, _, out = round_result
+    m = out.metrics
+    assert m["kl_after"] < m["kl_before"]
+    assert m["steps"] == 2 and m["tokens"] > 0
+    for key in ("loss", "response_length", "cap_hit_rate", "accuracy", "rollout_s", "cache_s", "opd_s", "teacher_s"):
+        assert np.isfinite(m[key])
+
+
+def test_candidate_zero_reproduces_the_starting_student(round_result):
+    models, theta, out = round_result
+    delta = increment(out.arrays, theta)
+    teacher_scores, change_scores = score_round(models, theta, delta, out.cache, [0.0, 1.0, 3.0])
+    assert change_scores[0] == pytest.approx(0.0, abs=1e-6)
+    assert teacher_scores[0] == pytest.approx(out.cache.teacher_score_at_start(), abs=1e-6)
+    assert out.cache.teacher_score_at_start() == pytest.approx(out.metrics["cache_teacher_score"])
+    assert change_scores[1] > 0 and change_scores[2] > change_scores[1]
+    assert teacher_scores[1] < teacher_scores[0]  # one step of OPD moves towards the teacher
+
+
+def test_cache_has_four_rollouts_and_at_most_sixteen_positions_each(round_result):
+    _, _, out = round_result
+    cache = out.cache
+    assert cache.input_ids.shape[0] == 4
+    per_rollout = np.bincount(cache.positions[:, 0], minlength=4)
+    assert per_rollout.max() <= 16 and per_rollout.min() >= 1
+    assert cache.token_ids.shape[1] == 32 and cache.teacher.shape == cache.student.shape == (cache.num_positions, 33)
+    assert np.allclose(cache.teacher.sum(-1), 1.0, atol=1e-5)
+
+
+def test_scoring_cache_survives_the_array_round_trip(round_result):
+    from fedopd.cache import ScoringCache
+
+    _, _, out = round_result
+    back = ScoringCache.from_arrays({k: v.copy() for k, v in out.cache.to_arrays().items()})
+    assert back.teacher_score_at_start() == out.cache.teacher_score_at_start()

@@ -1,0 +1,51 @@
+"""Validation of the run config (SPEC §5): bad values fail before work starts, naming the key."""
+
+import pytest
+
+from fedopd.config import ConfigError, RunConfig, parse_run_config
+
+
+def test_defaults_parse_and_round_trip_through_run_config_keys():
+    cfg = RunConfig()
+    assert parse_run_config(cfg.to_run_config()) == cfg
+    assert cfg.to_run_config()["strategy.candidates"] == "0.5,1,2,3,5,10"
+
+
+def test_flat_keys_fill_the_groups():
+    cfg = parse_run_config({"train.lr": 9e-6, "strategy.name": "fixed", "strategy.multiplier": 3, "cache.top-k": 8})
+    assert cfg.train.lr == 9e-6 and cfg.strategy.name == "fixed" and cfg.strategy.multiplier == 3.0
+    assert cfg.cache.top_k == 8
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("strategy.name", "fedprox", "'strategy.name' = 'fedprox' is invalid; allowed: one of 'fedavg', 'fixed', 'fedtops'"),
+        ("strategy.trust-budget", -0.1, "'strategy.trust-budget' = -0.1 is invalid; allowed: a finite number >= 0.0"),
+        ("strategy.candidates", "0.5,,2", "'strategy.candidates' = '0.5,,2' is invalid: empty entry"),
+        ("strategy.candidates", "1,two", "'strategy.candidates' = '1,two' is invalid"),
+        ("strategy.candidates", "1,1", "duplicate candidates"),
+        ("train.micro-batch", 0, "'train.micro-batch' = 0 is invalid; allowed: an integer >= 1"),
+        ("rollout.top-p", 1.5, "'rollout.top-p' = 1.5 is invalid"),
+        ("num-server-rounds", "many", "'num-server-rounds' = 'many' is invalid"),
+        ("rollout.backend", "tpu", "'rollout.backend' = 'tpu'"),
+    ],
+)
+def test_bad_values_name_the_key_the_value_and_what_is_allowed(key, value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        parse_run_config({key: value})
+
+
+def test_mini_batch_must_be_a_multiple_of_the_micro_batch():
+    with pytest.raises(ConfigError, match="'train.mini-batch' = 6 is not a multiple of 'train.micro-batch' = 4"):
+        parse_run_config({"train.mini-batch": 6, "train.micro-batch": 4})
+
+
+def test_unknown_keys_are_refused():
+    with pytest.raises(ConfigError, match="unknown run config key\\(s\\) 'train.learning-rate'"):
+        parse_run_config({"train.learning-rate": 1e-5})
+
+
+def test_total_local_steps_follow_rounds_rollouts_and_mini_batch():
+    cfg = parse_run_config({"num-server-rounds": 50, "rollout.per-round": 32, "train.mini-batch": 8})
+    assert cfg.total_local_steps == 200  # paper: 600 client steps system-wide = 3 clients x 200

@@ -1,0 +1,144 @@
+"""Loading, LoRA attachment, wire arrays and adapter folders on the built-in tiny models."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from fedopd.config import LoraSettings
+from fedopd.models import (
+    ModelLoadError,
+    load_adapter,
+    load_causal_lm,
+    load_pair,
+    resolve_model_path,
+    save_adapter,
+)
+from fedopd.teacher import make_batch, teacher_log_probs
+from fedopd.tiny import builtin_model_path
+
+pytestmark = pytest.mark.slow
+
+
+def _random_like(arrays, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(a.shape).astype(np.float32) for a in arrays]
+
+
+def test_lora_has_spec_rank_alpha_targets_and_peft_default_init(tiny_pair):
+    student, _ = tiny_pair
+    cfg = student.lora_config
+    assert cfg.r == 8 and cfg.lora_alpha == 16 and cfg.lora_dropout == 0.0
+    assert set(cfg.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    names = student.lora_names()
+    assert len(names) == 2 * 7 * 2  # A and B for 7 projections in each of 2 layers
+    assert not any("lm_head" in n for n in names)
+
+
+def test_initial_adapter_is_deterministic_in_the_seed_with_zero_b():
+    lora = LoraSettings()
+    a = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=5)[0]
+    b = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=5)[0]
+    c = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=6)[0]
+    for name, x, y, z in zip(a.lora_names(), a.get_lora_arrays(), b.get_lora_arrays(), c.get_lora_arrays()):
+        assert np.array_equal(x, y)
+        if "lora_B" in name:
+            assert not x.any()
+        else:
+            assert x.any() and not np.array_equal(x, z)
+
+
+def test_lora_arrays_round_trip_bit_exact(tiny_pair):
+    student, _ = tiny_pair
+    original = student.get_lora_arrays()
+    values = _random_like(original, 1)
+    try:
+        student.set_lora_arrays(values)
+        back = student.get_lora_arrays()
+        assert all(b.dtype == np.float32 for b in back)
+        assert all(np.array_equal(v, b) for v, b in zip(values, back))
+    finally:
+        student.set_lora_arrays(original)
+
+
+def test_lora_arrays_of_wrong_count_are_refused(tiny_pair):
+    student, _ = tiny_pair
+    with pytest.raises(ValueError, match="got 1 LoRA arrays"):
+        student.set_lora_arrays(student.get_lora_arrays()[:1])
+
+
+def test_adapter_folder_round_trips_through_peft(tiny_pair, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    student, _ = tiny_pair
+    names = student.lora_names()
+    values = _random_like(student.get_lora_arrays(), 2)
+    save_adapter(tmp_path / "ours", names, values, student.lora_config)
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-student"))
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "ours"))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    _, loaded = load_adapter(tmp_path / "peft", names)
+    assert all(np.array_equal(v, b) for v, b in zip(values, loaded))
+
+
+def test_hidden_states_and_head_reproduce_the_full_forward(tiny_pair):
+    _, teacher = tiny_pair
+    batch = make_batch([[258, 70, 71, 72], [258, 80]], [[60, 61], [62, 63, 64]], pad_id=257)
+    log_probs = teacher_log_probs(teacher, batch)
+    with torch.no_grad():
+        full = teacher.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    expected = torch.log_softmax(full[batch.loss_mask].float(), -1)
+    assert log_probs.shape == (5, teacher.logit_width)
+    assert torch.allclose(log_probs, expected, atol=1e-5)
+
+
+def test_batch_marks_the_positions_that_predict_response_tokens():
+    batch = make_batch([[1, 2, 3]], [[4, 5]], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5]]
+    assert batch.loss_mask.tolist() == [[False, False, True, True, False]]
+
+
+def test_builtin_models_are_built_once_and_reused():
+    path = builtin_model_path("tiny-teacher")
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert builtin_model_path("tiny-teacher") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tiny_chat_template_accepts_enable_thinking():
+    tok = load_causal_lm("builtin:tiny-student").tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    off = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    on = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert off == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert on == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_unknown_model_path_fails_before_loading(tmp_path):
+    with pytest.raises(ModelLoadError, match="'./no/such/model' is not an existing local folder"):
+        load_pair("./no/such/model", "builtin:tiny-teacher", lora=LoraSettings(), seed=0)
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        resolve_model_path(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="unknown built-in model 'builtin:tiny-giant'"):
+        resolve_model_path("builtin:tiny-giant")
+
+
+def test_student_and_teacher_with_different_tokenizers_are_refused(tmp_path):
+    other = tmp_path / "other-teacher"
+    shutil.copytree(builtin_model_path("tiny-teacher"), other)
+    tok = load_causal_lm(str(other)).tokenizer
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(ModelLoadError, match="must share a tokenizer: vocabularies differ"):
+        load_pair("builtin:tiny-student", str(other), lora=LoraSettings(), seed=0)
+
+
+def test_local_folder_loads_like_a_hub_model(tmp_path):
+    copy = tmp_path / "student"
+    shutil.copytree(builtin_model_path("tiny-student"), copy)
+    lm = load_causal_lm(str(copy))
+    assert lm.dtype == torch.float32 and lm.device.type in ("cpu", "cuda")
+    assert lm.model.config.model_type == "qwen3"

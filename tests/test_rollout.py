@@ -1,0 +1,43 @@
+"""The Hugging Face rollout engine and its request contract."""
+
+import pytest
+
+from fedopd.rollout import HFRolloutEngine, SamplingParams, make_rollout_engine, split_response
+
+pytestmark = pytest.mark.slow
+
+
+def test_split_response_keeps_eos_and_flags_the_cap():
+    assert split_response([5, 6, 2, 7, 7], {2}, 5) == ([5, 6, 2], False)
+    assert split_response([5, 6, 7], {2}, 3) == ([5, 6, 7], True)
+    assert split_response([5, 6, 2], {2}, 3) == ([5, 6, 2], False)  # EOS in the last slot: not capped
+
+
+def test_hf_engine_returns_one_response_per_prompt_within_the_cap(tiny_pair):
+    student, _ = tiny_pair
+    engine = HFRolloutEngine(student, batch_size=3)
+    prompts = [[258, 70, 71], [258, 80, 81, 82, 83], [258, 90], [258, 91, 92], [258, 93]]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=3))
+    assert out.prompt_ids == prompts
+    assert len(out.response_ids) == 5 and len(out.capped) == 5
+    for response, capped in zip(out.response_ids, out.capped):
+        assert 1 <= len(response) <= 12
+        assert capped == (response[-1] not in engine.eos_ids and len(response) == 12)
+        assert all(t not in engine.eos_ids for t in response[:-1])
+    assert out.response_lengths.tolist() == [len(r) for r in out.response_ids]
+
+
+def test_hf_engine_is_deterministic_in_the_seed(tiny_pair):
+    student, _ = tiny_pair
+    engine = HFRolloutEngine(student)
+    prompts = [[258, 70, 71], [258, 80, 81, 82]]
+    a = engine.generate(prompts, SamplingParams(max_new_tokens=16, seed=11))
+    b = engine.generate(prompts, SamplingParams(max_new_tokens=16, seed=11))
+    c = engine.generate(prompts, SamplingParams(max_new_tokens=16, seed=12))
+    assert a.response_ids == b.response_ids
+    assert a.response_ids != c.response_ids
+
+
+def test_unknown_backend_is_refused(tiny_pair):
+    with pytest.raises(ValueError, match="rollout.backend = 'tpu'; allowed"):
+        make_rollout_engine("tpu", tiny_pair[0])
