@@ -26,7 +26,7 @@ def last_boxed(text: str) -> str | None:
     i = start + len(cmd)
     if text.startswith(" ", i) and not text.startswith("{", i):  # "\boxed 5"
         rest = text[i + 1 :].split("$")[0].strip()
-        return rest.split()[0] if rest else None
+        return rest.split()[0].rstrip(".,;") if rest else None
     if not text.startswith("{", i):
         return None
     depth = 0
