@@ -1,0 +1,1 @@
+"""The FedTOPS ClientApp: a thin Flower shell around :mod:`fedopd.round`."""

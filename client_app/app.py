@@ -1,0 +1,97 @@
+"""ClientApp: the ``train`` handler and the ``query.score`` handler.
+
+train:  θ_t in → rollouts, teacher, scoring cache, local OPD → θ_{t,i}^+ and metrics out.
+        θ_t, the scoring cache and the optimizer state stay in ``context.state``.
+score:  Δ_t and the candidates in → Ĵ_i(a), K̂_i(a) out. Only scalars leave the client.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.worker import setup
+from fedopd.cache import ScoringCache
+from fedopd.config import RunConfig
+from fedopd.lora import check_compatible
+from fedopd.round import derive_seed, score_round, train_round
+
+app = ClientApp()
+
+THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    try:
+        pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except (KeyError, ValueError) as err:
+        raise ValueError(
+            "node config needs integer 'partition-id' and 'num-partitions' "
+            "(e.g. flower-supernode --node-config \"partition-id=0 num-partitions=3\")"
+        ) from err
+    if not 0 <= pid < num:
+        raise ValueError(f"node config 'partition-id' = {pid} is not in [0, 'num-partitions' = {num})")
+    return pid, num
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    pid, num = _partition(context)
+    models, prompts = setup(cfg, pid, num)
+    server_round = int(msg.content["config"]["server-round"])
+    arrays: ArrayRecord = msg.content["arrays"]
+    theta = arrays.to_numpy_ndarrays()
+
+    state = context.state
+    persistent = cfg.train.optimizer_state == "persistent" and OPTIMIZER in state
+    optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent else None
+
+    out = train_round(
+        models,
+        theta,
+        prompts,
+        rollout=cfg.rollout,
+        cache=cfg.cache,
+        train=cfg.train,
+        server_round=server_round,
+        seed=derive_seed(cfg.seed, pid),
+        step_offset=(server_round - 1) * cfg.local_steps_per_round,
+        total_steps=cfg.total_local_steps,
+        optimizer_state=optimizer_state,
+    )
+
+    state[THETA] = ArrayRecord({k: Array(a) for k, a in zip(arrays.keys(), theta)})
+    state[CACHE] = ArrayRecord({k: Array(v) for k, v in out.cache.to_arrays().items()})
+    if cfg.train.optimizer_state == "persistent":
+        state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in out.optimizer_state.items()})
+    state[META] = ConfigRecord({"server-round": server_round})
+
+    metrics = MetricRecord({**{k: float(v) for k, v in out.metrics.items()}, "partition-id": pid, "num-examples": len(prompts)})
+    reply = RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in zip(arrays.keys(), out.arrays)}), "metrics": metrics})
+    return Message(content=reply, reply_to=msg)
+
+
+@app.query("score")
+def score(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    pid, num = _partition(context)
+    models, prompts = setup(cfg, pid, num)
+    state = context.state
+    server_round = int(msg.content["config"]["server-round"])
+    if THETA not in state or int(state[META]["server-round"]) != server_round:
+        raise RuntimeError(f"score query for round {server_round}, but this client has no scoring cache of that round")
+
+    theta = state[THETA].to_numpy_ndarrays()
+    delta = msg.content["increment"].to_numpy_ndarrays()
+    problem = check_compatible(theta, delta)
+    if problem:
+        raise ValueError(f"score query: the increment does not fit the adapter: {problem}")
+    cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
+    candidates = [float(a) for a in msg.content["config"]["candidates"]]
+    teacher_scores, change_scores = score_round(models, theta, delta, cache, candidates)
+
+    metrics = MetricRecord(
+        {"teacher-scores": teacher_scores, "change-scores": change_scores, "num-examples": len(prompts), "partition-id": pid}
+    )
+    return Message(content=RecordDict({"scores": metrics}), reply_to=msg)

@@ -1,0 +1,24 @@
+"""One factory from the validated run config to a strategy."""
+
+from __future__ import annotations
+
+from fedopd.config import StrategyConfig
+from fedtops_strategy.fedtops import FedTOPS
+from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
+
+
+def make_strategy(cfg: StrategyConfig, *, num_clients: int, timeout: float = 3600.0):
+    """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round."""
+    common = dict(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,  # no federated evaluation round: scoring is part of training
+        min_train_nodes=num_clients,
+        min_available_nodes=num_clients,
+    )
+    if cfg.name == "fedavg":
+        return LoRAFedAvg(**common)
+    if cfg.name == "fixed":
+        return FixedMultiplier(cfg.multiplier, **common)
+    if cfg.name == "fedtops":
+        return FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, score_timeout=timeout, **common)
+    raise ValueError(f"strategy.name = {cfg.name!r}; allowed: 'fedavg', 'fixed', 'fedtops'")

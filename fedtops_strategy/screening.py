@@ -1,0 +1,113 @@
+"""What the three strategies share: screening train replies and recording each round.
+
+A train reply joins the average only if it carries one ArrayRecord with exactly the keys and
+shapes of θ_t, finite values, and a positive ``num-examples``. Anything else is left out and
+logged, and never reaches the global adapter. Each round leaves a record (``self.records``) that
+the ServerApp writes to ``rounds.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from logging import WARNING
+from typing import Any, Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common.logger import log
+
+from fedopd.lora import check_compatible
+
+WEIGHT_KEY = "num-examples"
+
+
+def reply_problem(content, reference: ArrayRecord) -> str | None:
+    """Why a train reply cannot be averaged with θ_t (``reference``), or None."""
+    if len(content.array_records) != 1 or len(content.metric_records) != 1:
+        return (
+            f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} "
+            f"and {len(content.metric_records)}"
+        )
+    arrays = next(iter(content.array_records.values()))
+    if list(arrays.keys()) != list(reference.keys()):
+        return "its array keys differ from the global adapter's"
+    try:
+        problem = check_compatible(reference.to_numpy_ndarrays(), arrays.to_numpy_ndarrays())
+    except Exception as err:  # noqa: BLE001 - undecodable arrays are just another bad reply
+        return f"its arrays cannot be decoded ({err})"
+    if problem:
+        return problem
+    metrics = next(iter(content.metric_records.values()))
+    weight = metrics.get(WEIGHT_KEY)
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        return f"'{WEIGHT_KEY}' is {weight!r}, expected a positive number"
+    return None
+
+
+def client_metrics(message: Message) -> dict[str, Any]:
+    """The metrics of a train reply as a plain dict, with its node id."""
+    metrics = next(iter(message.content.metric_records.values()))
+    out: dict[str, Any] = {"node-id": int(message.metadata.src_node_id)}
+    out.update({k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()})
+    return out
+
+
+class ReplyScreening:
+    """Mixin for a Flower ``FedAvg`` subclass: screens train replies, records rounds.
+
+    Must come before the Flower strategy in the bases. Subclasses set :attr:`strategy_name`
+    and may fill more of ``self.records[server_round]``.
+    """
+
+    strategy_name = "fedavg"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: dict[int, dict[str, Any]] = {}
+        self._theta: ArrayRecord | None = None
+        self._grid = None
+        self.round_started = 0.0
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        self._theta, self._grid = arrays, grid
+        self.round_started = time.perf_counter()
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def screen_train_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        kept, clients, excluded = [], [], []
+        for msg in replies:
+            node = int(msg.metadata.src_node_id)
+            problem = f"error reply: {msg.error.reason}" if msg.has_error() else reply_problem(msg.content, self._theta)
+            if problem:
+                log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)
+                excluded.append({"node-id": node, "reason": problem})
+                continue
+            kept.append(msg)
+            clients.append(client_metrics(msg))
+        self.records[server_round] = {
+            "round": server_round,
+            "strategy": self.strategy_name,
+            "candidates": None,
+            "teacher_scores": None,
+            "change_scores": None,
+            "clients": clients,
+            "excluded": excluded,
+        }
+        return kept
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        kept = self.screen_train_replies(server_round, replies)
+        arrays, metrics = super().aggregate_train(server_round, kept)
+        record = self.records[server_round]
+        record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
+        if arrays is None:
+            record["hold-reason"] = "no valid client update"
+        return arrays, metrics
+
+    @property
+    def default_multiplier(self) -> float:
+        return 1.0
+
+    def theta_arrays(self) -> list[np.ndarray]:
+        return self._theta.to_numpy_ndarrays()

@@ -1,0 +1,1 @@
+"""The FedTOPS ServerApp: validates the run config, runs the strategy, writes the run folder."""

@@ -1,0 +1,88 @@
+"""ServerApp: validate, initialise the adapter from ``seed``, run the strategy, write the run.
+
+Everything that can be checked is checked before round 1 (run config, model names); a bad value
+stops the run with a message naming the key, and no run folder or adapter is created.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from fedopd.config import RunConfig
+from fedopd.models import attach_lora, load_causal_lm, resolve_model_path
+from fedtops_strategy import make_strategy
+from server_app.run_folder import RunFolder, new_run_dir
+
+app = ServerApp()
+
+
+def initial_adapter(cfg: RunConfig):
+    """(names, fp32 arrays, LoraConfig) of PEFT's default LoRA init drawn from ``seed``.
+
+    Loaded on CPU: the server only needs the adapter's shapes and initial values.
+    """
+    import torch
+
+    student = attach_lora(load_causal_lm(cfg.model.student, dtype="float32", device=torch.device("cpu")), cfg.lora, cfg.seed)
+    return student.lora_names(), student.get_lora_arrays(), student.lora_config
+
+
+def round_summary(record: dict, num_rounds: int) -> str:
+    """One readable line per round for ``flwr run --stream``."""
+    a = record.get("multiplier")
+    j = "-"
+    if record.get("teacher_scores") and a in (record.get("candidates") or []):
+        j = f"{record['teacher_scores'][record['candidates'].index(a)]:.4f}"
+    feasible = f"{record['num-feasible']}/{len(record['candidates'])}" if "num-feasible" in record else "-"
+    clients = record.get("clients", [])
+    kl = "-"
+    if clients:
+        before = sum(c["kl_before"] for c in clients) / len(clients)
+        after = sum(c["kl_after"] for c in clients) / len(clients)
+        kl = f"{before:.4f} -> {after:.4f}"
+    flags = "".join(
+        [" (fallback: no score replies)" if record.get("fallback") else "",
+         f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
+    )
+    return (
+        f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a:g} | J(a) = {j} | "
+        f"feasible {feasible} | client KL {kl} | {record.get('seconds', 0.0):.1f} s{flags}"
+    )
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = RunConfig.from_run_config(context.run_config)
+    resolve_model_path(cfg.model.student), resolve_model_path(cfg.model.teacher)
+    names, arrays, lora_config = initial_adapter(cfg)
+
+    run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, names, lora_config)
+    log(INFO, "FedTOPS run folder: %s", run.path.resolve())
+    run.save_adapter(0, arrays)
+
+    num_clients = max(1, len(list(grid.get_node_ids())))
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients)
+
+    def after_round(server_round: int, global_arrays: ArrayRecord):
+        if server_round == 0:
+            return None
+        record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
+        record["seconds"] = time.perf_counter() - strategy.round_started
+        run.save_adapter(server_round, global_arrays.to_numpy_ndarrays())
+        run.append_round(record)
+        log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
+        return None
+
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord({n: Array(a) for n, a in zip(names, arrays)}),
+        num_rounds=cfg.num_server_rounds,
+        train_config=ConfigRecord(),
+        evaluate_fn=after_round,
+    )
+    log(INFO, "FedTOPS run finished: %s", run.path.resolve())

@@ -1,0 +1,74 @@
+"""The selection rule (paper Algorithm 1 with tolerances; SPEC §2)."""
+
+import math
+
+import pytest
+
+from fedtops_strategy.selection import select_multiplier
+
+CANDIDATES = [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+
+
+def _k(*rows):
+    return [list(r) for r in rows]
+
+
+def test_picks_the_feasible_candidate_with_the_lowest_teacher_score():
+    j = [0.30, 0.28, 0.25, 0.22, 0.24, 0.40]
+    k = _k([0.001, 0.002, 0.01, 0.02, 0.04, 0.2])
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 3.0
+
+
+def test_fedavg_stays_unless_strictly_better_by_more_than_the_score_tolerance():
+    k = _k([0.0] * 6)
+    assert select_multiplier(CANDIDATES, [0.5, 0.3, 0.3, 0.4, 0.5, 0.6], k, 0.05) == 1.0  # tie keeps a = 1
+    assert select_multiplier(CANDIDATES, [0.5, 0.3, 0.3 - 5e-10, 0.4, 0.5, 0.6], k, 0.05) == 1.0  # within 1e-9
+    assert select_multiplier(CANDIDATES, [0.5, 0.3, 0.3 - 2e-9, 0.4, 0.5, 0.6], k, 0.05) == 2.0
+
+
+def test_the_incumbent_moves_as_the_scan_proceeds():
+    k = _k([0.0] * 6)
+    # 2 beats 1, then 5 beats 2; 3 is better than 1 but not than 2.
+    assert select_multiplier(CANDIDATES, [0.9, 0.5, 0.3, 0.4, 0.2, 0.2], k, 0.05) == 5.0
+
+
+def test_feasibility_uses_every_clients_change_score_and_its_tolerance():
+    j = [0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    k = _k([0.0, 0.01, 0.02, 0.03, 0.04, 0.05 + 5e-9], [0.0, 0.01, 0.02, 0.06, 0.01, 0.01])
+    # 3 is infeasible for client 1 only; 10 is within the 1e-8 feasibility tolerance for both.
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 10.0
+    k[1][5] = 0.05 + 2e-8
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 5.0
+
+
+def test_a_small_average_change_cannot_hide_one_clients_large_change():
+    j = [0.5, 0.4, 0.1, 0.3, 0.3, 0.3]
+    k = _k([0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.12, 0.0, 0.0, 0.0])
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 3.0
+
+
+def test_when_fedavg_is_infeasible_the_lowest_score_wins_first_in_order_on_ties():
+    j = [0.4, 0.1, 0.3, 0.3, 0.5, 0.6]
+    k = _k([0.01, 0.2, 0.01, 0.01, 0.01, 0.2])
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 2.0
+    assert select_multiplier(CANDIDATES, [0.3, 0.1, 0.3, 0.2, 0.2, 0.6], k, 0.05) == 3.0
+
+
+def test_nothing_feasible_means_hold():
+    assert select_multiplier(CANDIDATES, [0.1] * 6, _k([1.0] * 6), 0.05) == 0.0
+    assert select_multiplier(CANDIDATES, [0.1] * 6, _k([math.nan] * 6), 0.05) == 0.0
+
+
+def test_infinite_change_is_infeasible_and_nan_teacher_score_never_wins():
+    j = [0.5, 0.4, math.nan, 0.3, 0.3, 0.3]
+    k = _k([0.0, 0.0, 0.0, math.inf, 0.0, 0.0])
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 5.0
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="5 teacher scores for 6 candidates"):
+        select_multiplier(CANDIDATES, [0.1] * 5, _k([0.0] * 6), 0.05)
+    with pytest.raises(ValueError, match="client 1 has 2 change scores"):
+        select_multiplier(CANDIDATES, [0.1] * 6, _k([0.0] * 6, [0.0] * 2), 0.05)
+    with pytest.raises(ValueError, match="no client change scores"):
+        select_multiplier(CANDIDATES, [0.1] * 6, [], 0.05)

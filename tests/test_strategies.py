@@ -1,0 +1,165 @@
+"""The three strategies driven by hand-made replies through a fake Grid (no models, no Ray)."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+
+from fedopd.config import StrategyConfig
+from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages take their sender from the process's task identity, set by Flower's runtime."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+THETA = [np.full((2, 3), 0.5, np.float32), np.full((3,), -1.0, np.float32)]
+KEYS = ["layer.lora_A.weight", "layer.lora_B.weight"]
+
+
+def _record(arrays):
+    return ArrayRecord({k: Array(np.asarray(a, dtype=np.float32)) for k, a in zip(KEYS, arrays)})
+
+
+class FakeGrid:
+    """Answers train messages with ``updates[node]`` and score queries with ``scores[node]``."""
+
+    def __init__(self, updates, weights, scores=None):
+        self.updates, self.weights, self.scores = updates, weights, scores or {}
+        self.sent = []
+
+    def get_node_ids(self):
+        return list(self.updates)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            if msg.metadata.message_type == "train":
+                content = RecordDict(
+                    {"arrays": _record(self.updates[node]), "metrics": MetricRecord({"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5})}
+                )
+            elif node in self.scores:
+                j, k = self.scores[node]
+                content = RecordDict({"scores": MetricRecord({"teacher-scores": j, "change-scores": k, "num-examples": self.weights[node]})})
+            else:
+                continue  # this node does not answer
+            meta = Metadata(
+                run_id=1, message_id=f"r{len(self.sent)}", src_node_id=node, dst_node_id=0,
+                reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0,
+                message_type=msg.metadata.message_type,
+            )
+            replies.append(Message(content=content, metadata=meta))
+        return replies
+
+
+def _run(strategy, grid, rounds=1):
+    result = strategy.start(grid=grid, initial_arrays=_record(THETA), num_rounds=rounds)
+    return result.arrays.to_numpy_ndarrays()
+
+
+def _common(n):
+    return dict(fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n)
+
+
+# Updates chosen so that every value is exact in fp32: weights 1 and 3 give the mean 1.75.
+UPDATES = {1: [np.full((2, 3), 1.0), np.full((3,), 0.0)], 2: [np.full((2, 3), 2.0), np.full((3,), 1.0)]}
+WEIGHTS = {1: 1, 2: 3}
+MEAN = [np.full((2, 3), 1.75, np.float32), np.full((3,), 0.75, np.float32)]
+DELTA = [m - t for m, t in zip(MEAN, THETA)]  # 1.25 and 1.75
+
+
+def test_fedtops_applies_theta_plus_selected_multiplier_times_weighted_delta():
+    scores = {
+        1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.01, 0.02, 0.03, 0.2, 0.3]),
+        2: ([0.5, 0.4, 0.3, 0.25, 0.1, 0.0], [0.0, 0.01, 0.02, 0.04, 0.04, 0.3]),
+    }
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    for n, t, d in zip(new, THETA, DELTA):
+        assert np.array_equal(n, t + np.float32(3.0) * d)
+    record = strategy.records[1]
+    assert record["multiplier"] == 3.0 and not record["fallback"]
+    assert record["candidates"] == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+    assert record["teacher_scores"] == pytest.approx([0.5, 0.4, 0.3, 0.2375, 0.1, 0.0])  # weights 1/4, 3/4
+    assert record["change_scores"] == [scores[1][1], scores[2][1]]
+    assert record["num-feasible"] == 4
+
+
+def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained():
+    scores = {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}
+    grid = FakeGrid(UPDATES, WEIGHTS, scores)
+    _run(FedTOPS(**_common(2)), grid)
+    queries = [m for m in grid.sent if m.metadata.message_type == "query.score"]
+    assert sorted(m.metadata.dst_node_id for m in queries) == [1, 2]
+    sent_delta = queries[0].content["increment"].to_numpy_ndarrays()
+    assert all(np.array_equal(s, d) for s, d in zip(sent_delta, DELTA))
+    assert list(queries[0].content["config"]["candidates"]) == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+
+
+def test_fedtops_selects_over_the_clients_that_answered_and_falls_back_when_none_did():
+    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6)}  # node 2 never answers the query
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    assert strategy.records[1]["multiplier"] == 10.0
+    assert strategy.records[1]["scored-node-ids"] == [1]
+    assert all(np.array_equal(n, t + np.float32(10.0) * d) for n, t, d in zip(new, THETA, DELTA))
+
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={}))
+    assert strategy.records[1]["fallback"] is True and strategy.records[1]["multiplier"] == 1.0
+    assert all(np.array_equal(n, t + d) for n, t, d in zip(new, THETA, DELTA))
+
+
+def test_fedtops_holds_when_no_candidate_is_feasible():
+    scores = {n: ([0.1] * 6, [1.0] * 6) for n in (1, 2)}
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    assert strategy.records[1]["multiplier"] == 0.0
+    assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
+
+
+def test_fixed_multiplier_three_applies_exactly_three_delta():
+    strategy = FixedMultiplier(3.0, **_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
+    assert all(np.array_equal(n, t + np.float32(3.0) * d) for n, t, d in zip(new, THETA, DELTA))
+    assert strategy.records[1]["multiplier"] == 3.0
+
+
+def test_fedavg_applies_the_weighted_mean():
+    strategy = LoRAFedAvg(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
+    assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))
+    assert strategy.records[1]["multiplier"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ([np.full((2, 3), np.nan), np.zeros(3)], "non-finite"),
+        ([np.full((2, 3), np.inf), np.zeros(3)], "non-finite"),
+        ([np.zeros((3, 2)), np.zeros(3)], "shape (3, 2), expected (2, 3)"),
+    ],
+)
+def test_a_bad_update_is_left_out_of_the_average_and_recorded(bad, reason):
+    updates = {**UPDATES, 3: bad}
+    weights = {**WEIGHTS, 3: 100}
+    strategy = LoRAFedAvg(**_common(3))
+    new = _run(strategy, FakeGrid(updates, weights))
+    assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))  # node 3 never reaches the adapter
+    excluded = strategy.records[1]["excluded"]
+    assert [e["node-id"] for e in excluded] == [3] and reason in excluded[0]["reason"]
+
+
+def test_factory_builds_each_strategy_from_the_config():
+    assert isinstance(make_strategy(StrategyConfig(name="fedavg"), num_clients=3), LoRAFedAvg)
+    fixed = make_strategy(StrategyConfig(name="fixed", multiplier=3.0), num_clients=3)
+    assert isinstance(fixed, FixedMultiplier) and fixed.server_learning_rate == 3.0 and fixed.server_momentum == 0.0
+    fedtops = make_strategy(StrategyConfig(name="fedtops", trust_budget=0.02, candidates=(1.0, 2.0)), num_clients=3)
+    assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
