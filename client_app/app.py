@@ -36,7 +36,15 @@ def _partition(context: Context) -> tuple[int, int]:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    cfg = RunConfig.from_run_config(context.run_config)
+    return handle_train(msg, context, RunConfig.from_run_config(context.run_config))
+
+
+@app.query("score")
+def score(msg: Message, context: Context) -> Message:
+    return handle_score(msg, context, RunConfig.from_run_config(context.run_config))
+
+
+def handle_train(msg: Message, context: Context, cfg: RunConfig) -> Message:
     pid, num = _partition(context)
     models, prompts = setup(cfg, pid, num)
     server_round = int(msg.content["config"]["server-round"])
@@ -72,9 +80,7 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
-@app.query("score")
-def score(msg: Message, context: Context) -> Message:
-    cfg = RunConfig.from_run_config(context.run_config)
+def handle_score(msg: Message, context: Context, cfg: RunConfig) -> Message:
     pid, num = _partition(context)
     models, prompts = setup(cfg, pid, num)
     state = context.state

@@ -7,14 +7,14 @@ stops the run with a message naming the key, and no run folder or adapter is cre
 from __future__ import annotations
 
 import time
-from logging import INFO
+from logging import ERROR, INFO
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import RunConfig
-from fedopd.models import attach_lora, load_causal_lm, resolve_model_path
+from fedopd.config import ConfigError, RunConfig
+from fedopd.models import ModelLoadError, attach_lora, load_causal_lm, resolve_model_path
 from fedtops_strategy import make_strategy
 from server_app.run_folder import RunFolder, new_run_dir
 
@@ -57,8 +57,17 @@ def round_summary(record: dict, num_rounds: int) -> str:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = RunConfig.from_run_config(context.run_config)
-    resolve_model_path(cfg.model.student), resolve_model_path(cfg.model.teacher)
+    try:
+        cfg = RunConfig.from_run_config(context.run_config)
+        resolve_model_path(cfg.model.student), resolve_model_path(cfg.model.teacher)
+    except (ConfigError, ModelLoadError) as err:
+        log(ERROR, "FedTOPS: invalid run config, nothing was run or written: %s", err)
+        raise
+    run_server(grid, cfg)
+
+
+def run_server(grid: Grid, cfg: RunConfig) -> None:
+    """The whole run for a validated config; returns after the last round is written."""
     names, arrays, lora_config = initial_adapter(cfg)
 
     run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, names, lora_config)

@@ -1,0 +1,78 @@
+"""``flwr run .`` as a user runs it: a local SuperLink in an isolated Flower home, 3 SuperNodes.
+
+``flwr run --stream`` exits 0 even when the run fails, so the checks are on the run folder.
+The local SuperLink that ``flwr run`` starts in the background is stopped afterwards.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+CONTROL_PORT = 39093  # Flower's local SuperLink Control API
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _stop_local_superlink(flwr_home: Path) -> None:
+    out = subprocess.run(["pgrep", "-f", str(flwr_home)], capture_output=True, text=True, check=False).stdout
+    for pid in (int(p) for p in out.split()):
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 20
+    while _port_in_use(CONTROL_PORT) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def flwr(tmp_path_factory):
+    if shutil.which("flwr") is None and not (Path(sys.executable).parent / "flwr").exists():
+        pytest.skip("the flwr command is not installed")
+    if _port_in_use(CONTROL_PORT):
+        pytest.skip(f"a Flower SuperLink already listens on 127.0.0.1:{CONTROL_PORT}; stop it to run this test")
+    home = tmp_path_factory.mktemp("flwr-home")
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    exe = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+
+    def run(*run_config: str) -> subprocess.CompletedProcess:
+        cmd = [exe, "run", ".", "--stream", "--federation-config", "num-supernodes=3"]
+        for item in run_config:
+            cmd += ["--run-config", item]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+    yield run
+    _stop_local_superlink(home)
+
+
+def test_flwr_run_trains_the_tiny_preset_and_writes_the_run_folder(flwr, tmp_path):
+    done = flwr(f"output-dir='{tmp_path}' num-server-rounds=2 rollout.per-round=8 rollout.max-new-tokens=16")
+    log = done.stdout + done.stderr
+    folders = list(tmp_path.iterdir())
+    assert len(folders) == 1, log[-3000:]
+    rounds = [json.loads(line) for line in (folders[0] / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(len(r["change_scores"]) == 3 for r in rounds)
+    assert (folders[0] / "round-002" / "adapter_model.safetensors").is_file()
+    assert "round 2/2 [fedtops] a = " in log
+
+
+def test_a_bad_run_config_value_stops_the_run_before_round_one(flwr, tmp_path):
+    done = flwr(f"output-dir='{tmp_path / 'runs'}' strategy.candidates='1,two,3'")
+    log = done.stdout + done.stderr
+    assert "run config 'strategy.candidates' = '1,two,3' is invalid" in log
+    assert not (tmp_path / "runs").exists()

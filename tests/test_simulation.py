@@ -1,0 +1,116 @@
+"""End to end through Flower's simulation runtime: 3 clients, 2 rounds, each strategy.
+
+``run_simulation`` hands the apps an empty run config, so the test wraps the app's own handlers
+with a config of its own (the tiny preset, made smaller). Flower logs a failed ServerApp instead
+of raising, so every assertion is on what the run wrote.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STRATEGIES = {
+    "fedavg": {"strategy.name": "fedavg"},
+    "fixed": {"strategy.name": "fixed", "strategy.multiplier": 3.0},
+    "fedtops": {"strategy.name": "fedtops", "strategy.trust-budget": 0.05},
+}
+
+
+def _apps(overrides):
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from client_app.app import handle_score, handle_train
+    from fedopd.config import parse_run_config
+    from server_app.app import run_server
+
+    cfg = parse_run_config(overrides)
+    server, client = ServerApp(), ClientApp()
+
+    @server.main()
+    def _main(grid, context):
+        run_server(grid, cfg)
+
+    @client.train()
+    def _train(msg, context):
+        return handle_train(msg, context, cfg)
+
+    @client.query("score")
+    def _score(msg, context):
+        return handle_score(msg, context, cfg)
+
+    return server, client
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from flwr.simulation import run_simulation
+
+    from server_app.run_folder import read_rounds
+
+    out = {}
+    for name, strategy in STRATEGIES.items():
+        root = tmp_path_factory.mktemp(name)
+        overrides = {
+            "num-server-rounds": 2,
+            "output-dir": str(root),
+            "data.prompts-per-client": 16,
+            "rollout.per-round": 8,
+            "rollout.max-new-tokens": 16,
+            **strategy,
+        }
+        server, client = _apps(overrides)
+        run_simulation(
+            server_app=server,
+            client_app=client,
+            num_supernodes=3,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}},
+        )
+        folders = list(root.iterdir())
+        assert len(folders) == 1, f"{name}: expected one run folder, found {folders}"
+        out[name] = (folders[0], read_rounds(folders[0]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_each_strategy_runs_two_rounds_with_three_clients(runs, name):
+    folder, rounds = runs[name]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert r["strategy"] == name
+        assert sorted(c["partition-id"] for c in r["clients"]) == [0, 1, 2]
+        assert r["excluded"] == []
+    config = json.loads((folder / "config.json").read_text())
+    assert config["strategy.name"] == name and config["num-server-rounds"] == 2
+
+
+def test_multipliers_are_recorded_as_expected(runs):
+    assert [r["multiplier"] for r in runs["fedavg"][1]] == [1.0, 1.0]
+    assert [r["multiplier"] for r in runs["fixed"][1]] == [3.0, 3.0]
+    for r in runs["fedtops"][1]:
+        assert r["candidates"] == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+        assert len(r["teacher_scores"]) == 6
+        assert len(r["change_scores"]) == 3 and all(len(k) == 6 for k in r["change_scores"])
+        assert r["multiplier"] in r["candidates"] + [0.0]
+        assert r["fallback"] is False
+
+
+def test_adapters_of_every_round_load_with_peft(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fedopd.models import load_adapter, resolve_model_path
+
+    folder, _ = runs["fedtops"]
+    assert sorted(p.name for p in folder.glob("round-*")) == ["round-000", "round-001", "round-002"]
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-student"))
+    model = PeftModel.from_pretrained(base, str(folder / "round-002"))
+    names, arrays = load_adapter(folder / "round-002")
+    state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(state) == len(names)
+    first, last = load_adapter(folder / "round-000")[1], arrays
+    assert any(not np.array_equal(a, b) for a, b in zip(first, last))  # training moved the adapter
