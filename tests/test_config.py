@@ -49,3 +49,24 @@ def test_unknown_keys_are_refused():
 def test_total_local_steps_follow_rounds_rollouts_and_mini_batch():
     cfg = parse_run_config({"num-server-rounds": 50, "rollout.per-round": 32, "train.mini-batch": 8})
     assert cfg.total_local_steps == 200  # paper: 600 client steps system-wide = 3 clients x 200
+
+
+def test_dataclass_defaults_are_the_apps_tiny_preset():
+    from fedopd.config import app_defaults
+
+    assert parse_run_config(app_defaults()) == RunConfig()
+
+
+def test_config_cli_validates_a_file_of_overrides(tmp_path, capsys):
+    from fedopd.config import main
+
+    good = tmp_path / "good.toml"
+    good.write_text('num-server-rounds = 50\n"train.lr" = 9e-6\n')
+    assert main([str(good)]) == 0
+    assert '"train.lr": 9e-06' in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('"strategy.name" = "fedprox"\n')
+    assert main([str(bad)]) == 1
+    assert "'strategy.name' = 'fedprox' is invalid" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.toml")]) == 1
+    assert "does not exist" in capsys.readouterr().err
