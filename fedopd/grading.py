@@ -10,9 +10,13 @@ the response counts as wrong. Nothing here can hang a run.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
-import multiprocessing as mp
+import json
+import os
+import select
+import subprocess
+import sys
 import threading
+import time
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -40,8 +44,8 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: no complete boxed answer
 
 
-def _verify(pred: str, gold: str, timeout: int) -> bool:
-    """Runs in the worker: math-verify with its own (signal-based) timeouts."""
+def verify_boxed(pred: str, gold: str, timeout: int) -> bool:
+    """math-verify on two boxed answers, with its own (signal-based) timeouts: main thread only."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
@@ -52,38 +56,81 @@ def _verify(pred: str, gold: str, timeout: int) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
+class GradingError(RuntimeError):
+    """The grading worker cannot be started or keeps dying: grades would be wrong, so stop."""
+
+
 class _Worker:
-    """One lazily started grading process, replaced when it overruns a deadline."""
+    """One grading subprocess (``python -m fedopd._grade_worker``), JSON lines over pipes.
+
+    Started on first use; a request that overruns its deadline kills it, and the next request
+    starts a fresh one. Start-up (importing math-verify) does not count against a request.
+    """
+
+    START_TIMEOUT = 300.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
 
-    def _get(self) -> cf.ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
-        return self._pool
+    def _readline(self, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self._proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(self._proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise EOFError("grading worker exited")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "fedopd._grade_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self._buffer = b""
+        try:
+            ready = self._readline(self.START_TIMEOUT)
+        except EOFError:
+            ready = None
+        if ready != b"ready":
+            self.kill()
+            raise GradingError("the math-verify grading worker did not start (is math-verify installed?)")
 
     def kill(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def _request(self, pred: str, gold: str, timeout: float) -> bool | None:
+        """True/False, or None when the deadline passed (the worker is then killed)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        self._proc.stdin.write(json.dumps({"pred": pred, "gold": gold, "timeout": max(1, int(timeout))}).encode() + b"\n")
+        self._proc.stdin.flush()
+        line = self._readline(timeout)
+        if line is None:
+            self.kill()
+            return None
+        return bool(json.loads(line)["correct"])
 
     def run(self, pred: str, gold: str, timeout: float) -> bool:
         with self._lock:
-            future = self._get().submit(_verify, pred, gold, max(1, int(timeout)))
-            try:
-                return bool(future.result(timeout=timeout))
-            except cf.TimeoutError:
-                self.kill()
-                return False
-            except cf.process.BrokenProcessPool:
-                self.kill()
-                return False
-            except Exception:  # noqa: BLE001 - a grader error means "not verified correct"
-                return False
+            for attempt in range(2):
+                try:
+                    return bool(self._request(pred, gold, timeout))
+                except (EOFError, BrokenPipeError, OSError):
+                    self.kill()  # the worker died on this request: one fresh try, then give up
+            raise GradingError("the math-verify grading worker died twice on the same request")
 
 
 _WORKER = _Worker()

@@ -1,0 +1,175 @@
+"""Evaluate the base model or adapters on math benchmarks with the paper's sampling.
+
+    python -m eval.run --model Qwen/Qwen3-0.6B-Base --adapter runs/<run>/round-050 --base \\
+        --benchmarks math500 amc23 minerva olympiadbench aime24 aime25 --out eval-results
+
+Defaults are the paper's protocol: 8 samples per problem, temperature 1, top-p 0.8, at most
+8,192 new tokens, seed 0, the chat template with ``enable_thinking=False`` and the instruction of
+SPEC §3. Every response is written with its grade to ``<out>/<label>/responses.jsonl`` and the
+metrics to ``<out>/<label>/summary.json`` (Avg@k, Pass@k, cap-hit rate per benchmark and their
+macro averages, all in percent, unrounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eval.benchmarks import BENCHMARKS, load_benchmark, read_jsonl
+from eval.metrics import avg_at_k, cap_hit_rate, macro_average, pass_at_k
+from fedopd.config import LoraSettings
+from fedopd.data import render_prompt
+from fedopd.grading import is_correct
+from fedopd.models import ADAPTER_CONFIG, attach_lora, load_adapter, load_causal_lm
+from fedopd.rollout import SamplingParams, make_rollout_engine
+
+METRICS = ("avg_at_k", "pass_at_k", "cap_hit")
+
+
+def lora_settings_of(adapter: Path) -> LoraSettings:
+    """Rank, alpha and targets of a PEFT adapter folder."""
+    cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), target_modules=tuple(sorted(cfg["target_modules"])))
+
+
+def summarize(records: list[dict], samples: int) -> dict:
+    """Per-benchmark metrics and their macro averages from graded response records."""
+    per: dict[str, dict] = {}
+    for name in dict.fromkeys(r["benchmark"] for r in records):
+        rs = [r for r in records if r["benchmark"] == name]
+        problems = max(r["index"] for r in rs) + 1
+        correct = np.zeros((problems, samples))
+        for r in rs:
+            correct[r["index"], r["sample"]] = r["correct"]
+        per[name] = {
+            "avg_at_k": avg_at_k(correct),
+            "pass_at_k": pass_at_k(correct),
+            "cap_hit": cap_hit_rate([r["capped"] for r in rs]),
+            "mean_response_tokens": float(np.mean([r["response_tokens"] for r in rs])),
+            "problems": problems,
+            "samples": samples,
+        }
+    macro = {m: macro_average({n: v[m] for n, v in per.items()}) for m in METRICS}
+    return {"benchmarks": per, "macro": macro}
+
+
+def evaluate(student, engine, benchmarks: dict[str, list[dict]], params: SamplingParams, samples: int, batch_size: int, progress: bool = True) -> list[dict]:
+    """Generate ``samples`` responses per problem, grade them, return one record per response."""
+    from tqdm.auto import tqdm
+
+    tok = student.tokenizer
+    total = sum(len(rows) for rows in benchmarks.values()) * samples
+    bar = tqdm(total=total, desc="responses", unit="resp", disable=not progress)
+    records = []
+    for b_index, (name, rows) in enumerate(benchmarks.items()):
+        prompts = [tok(render_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"] for r in rows]
+        jobs = [(j, m) for j in range(len(rows)) for m in range(samples)]
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start : start + batch_size]
+            seed = int(np.random.SeedSequence([params.seed, b_index, start]).generate_state(1)[0])
+            out = engine.generate([prompts[j] for j, _ in chunk], SamplingParams(params.max_new_tokens, params.temperature, params.top_p, seed))
+            texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)
+            for (j, m), text, ids, capped in zip(chunk, texts, out.response_ids, out.capped):
+                records.append({
+                    "benchmark": name, "index": j, "sample": m, "problem": rows[j]["problem"], "gold": rows[j]["answer"],
+                    "response": text, "correct": int(is_correct(text, rows[j]["answer"])), "capped": bool(capped),
+                    "response_tokens": len(ids),
+                })
+            bar.update(len(chunk))
+    bar.close()
+    return records
+
+
+def _parse_files(items: list[str]) -> dict[str, Path]:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --benchmark-file expects NAME=PATH, got {item!r}")
+        out[name] = Path(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="base student: hub id, local folder or builtin:tiny-student")
+    p.add_argument("--adapter", action="append", default=[], type=Path, help="PEFT adapter folder (repeatable)")
+    p.add_argument("--base", action="store_true", help="also evaluate the base model without adapter")
+    p.add_argument("--label", action="append", default=[], help="output label per adapter (default: run-folder_round)")
+    p.add_argument("--benchmarks", nargs="*", default=[], help=f"from: {', '.join(BENCHMARKS)}")
+    p.add_argument("--data-dir", type=Path, help="read <benchmark>.jsonl from this folder instead of the hub")
+    p.add_argument("--benchmark-file", action="append", default=[], help="NAME=PATH of a local JSONL benchmark (repeatable)")
+    p.add_argument("--limit", type=int, help="first N problems of each benchmark (for smoke tests)")
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", choices=("auto", "hf"))
+    p.add_argument("--batch-size", type=int, default=64, help="responses per generate call")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", type=Path, default=Path("eval-results"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    # Everything checkable is checked before a model is loaded.
+    if not args.adapter and not args.base:
+        p.error("give at least one --adapter or --base")
+    if args.label and len(args.label) != len(args.adapter):
+        p.error(f"{len(args.label)} --label values for {len(args.adapter)} adapters")
+    for a in args.adapter:
+        if not (a / ADAPTER_CONFIG).is_file():
+            p.error(f"--adapter '{a}' is not a PEFT adapter folder (no {ADAPTER_CONFIG})")
+    if args.samples < 1 or args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature <= 0:
+        p.error("--samples and --max-new-tokens must be >= 1, --top-p in (0, 1], --temperature > 0")
+    try:
+        benchmarks = {name: load_benchmark(name, args.data_dir) for name in args.benchmarks}
+        benchmarks.update({name: read_jsonl(path) for name, path in _parse_files(args.benchmark_file).items()})
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if not benchmarks:
+        p.error("choose --benchmarks and/or --benchmark-file")
+    if args.limit:
+        benchmarks = {k: v[: args.limit] for k, v in benchmarks.items()}
+
+    labels = args.label or [f"{a.resolve().parent.name}_{a.resolve().name}" for a in args.adapter]
+    targets = ([("base", None)] if args.base else []) + list(zip(labels, args.adapter))
+    lora = lora_settings_of(args.adapter[0]) if args.adapter else LoraSettings()
+    student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
+    engine = make_rollout_engine(args.backend, student)
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+
+    for label, adapter in targets:
+        if adapter is None:
+            arrays = [np.zeros_like(a) for a in student.get_lora_arrays()]  # B = 0: exactly the base model
+        else:
+            arrays = load_adapter(adapter, student.lora_names())[1]
+        engine.set_adapter(arrays)
+        t0 = time.perf_counter()
+        records = evaluate(student, engine, benchmarks, params, args.samples, args.batch_size, not args.no_progress)
+        summary = summarize(records, args.samples)
+        summary.update(
+            label=label, model=args.model, adapter=str(adapter) if adapter else None, seconds=time.perf_counter() - t0,
+            sampling={"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p,
+                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "enable_thinking": False},
+        )
+        folder = args.out / label
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "responses.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        macro = summary["macro"]
+        print(f"{label}: macro Avg@{args.samples} {macro['avg_at_k']:.2f}  Pass@{args.samples} {macro['pass_at_k']:.2f}  "
+              f"cap-hit {macro['cap_hit']:.2f}  -> {folder / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
