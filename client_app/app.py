@@ -67,6 +67,7 @@ def handle_train(msg: Message, context: Context, cfg: RunConfig) -> Message:
         step_offset=(server_round - 1) * cfg.local_steps_per_round,
         total_steps=cfg.total_local_steps,
         optimizer_state=optimizer_state,
+        teacher_batch=cfg.model.teacher_batch,
     )
 
     state[THETA] = ArrayRecord({k: Array(a) for k, a in zip(arrays.keys(), theta)})

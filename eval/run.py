@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.8)
     p.add_argument("--max-new-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", choices=("auto", "hf"))
+    p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's share of the GPU")
     p.add_argument("--batch-size", type=int, default=64, help="responses per generate call")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("eval-results"))
@@ -142,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     targets = ([("base", None)] if args.base else []) + list(zip(labels, args.adapter))
     lora = lora_settings_of(args.adapter[0]) if args.adapter else LoraSettings()
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
-    engine = make_rollout_engine(args.backend, student)
+    longest = max(len(student.tokenizer(render_prompt(student.tokenizer, r["problem"]))["input_ids"]) for rows in benchmarks.values() for r in rows)
+    engine = make_rollout_engine(
+        args.backend, student, max_model_len=longest + args.max_new_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, batch_size=args.batch_size,
+    )
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
 
     for label, adapter in targets:

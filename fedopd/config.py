@@ -27,8 +27,8 @@ class ConfigError(ValueError):
     """A run-config value that is missing, of the wrong type, or out of range."""
 
 
-BACKENDS = ("auto", "hf")
-DATASETS = ("tiny-arith",)
+BACKENDS = ("auto", "hf", "vllm")
+DATASETS = ("tiny-arith", "math")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 STRATEGIES = ("fedavg", "fixed", "fedtops")
@@ -43,6 +43,7 @@ class ModelConfig:
     student: str = "builtin:tiny-student"
     teacher: str = "builtin:tiny-teacher"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    teacher_batch: int = 4  # sequences per teacher forward (memory beside the student and vLLM)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class DataConfig:
     name: str = "tiny-arith"
     prompts_per_client: int = 64
     max_prompt_tokens: int = 2048
+    path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class RolloutSettings:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
+    gradient_checkpointing: bool = False  # recompute the student's layer activations in backward
     loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
 
 
@@ -154,6 +158,10 @@ def _float(lo: float, *, strict: bool, hi: float | None = None) -> tuple[type, C
     return float, lambda v: math.isfinite(v) and (v > lo if strict else v >= lo) and (hi is None or v <= hi), desc
 
 
+def _bool() -> tuple[type, Check, str]:
+    return bool, lambda v: True, "true or false"
+
+
 def _choice(options: tuple[str, ...]) -> tuple[type, Check, str]:
     return str, lambda v: v in options, "one of " + ", ".join(repr(o) for o in options)
 
@@ -177,20 +185,24 @@ _key("preset", "preset", _nonempty())
 _key("model.student", "model.student", _nonempty())
 _key("model.teacher", "model.teacher", _nonempty())
 _key("model.dtype", "model.dtype", _choice(DTYPES))
+_key("model.teacher-batch", "model.teacher_batch", _int(1))
 _key("lora.rank", "lora.rank", _int(1))
 _key("lora.alpha", "lora.alpha", _float(0.0, strict=True))
 _key("data.name", "data.name", _choice(DATASETS))
 _key("data.prompts-per-client", "data.prompts_per_client", _int(1))
 _key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
+_key("data.path", "data.path", (str, lambda v: True, "a local file or folder, or '' for the hub"))
 _key("rollout.backend", "rollout.backend", _choice(BACKENDS))
 _key("rollout.per-round", "rollout.per_round", _int(1))
 _key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
 _key("rollout.temperature", "rollout.temperature", _float(0.0, strict=True))
 _key("rollout.top-p", "rollout.top_p", _float(0.0, strict=True, hi=1.0))
+_key("rollout.gpu-memory-utilization", "rollout.gpu_memory_utilization", _float(0.0, strict=True, hi=1.0))
 _key("train.lr", "train.lr", _float(0.0, strict=True))
 _key("train.mini-batch", "train.mini_batch", _int(1))
 _key("train.micro-batch", "train.micro_batch", _int(1))
 _key("train.optimizer-state", "train.optimizer_state", _choice(OPTIMIZER_STATES))
+_key("train.gradient-checkpointing", "train.gradient_checkpointing", _bool())
 _key("strategy.name", "strategy.name", _choice(STRATEGIES))
 _key("strategy.multiplier", "strategy.multiplier", _float(0.0, strict=False))
 _key("strategy.candidates", "strategy.candidates",
@@ -208,6 +220,12 @@ def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
 
 
 def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise _fail(key, value, allowed)
     if isinstance(value, bool):  # bool is an int subclass; never a valid number or string here
         raise _fail(key, value, allowed)
     if typ is int:

@@ -140,6 +140,14 @@ def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward (transformers 5 name, falling back to 4.x's)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @dataclass
 class OPDResult:
     arrays: list[np.ndarray]  # θ_{t,i}^+ in wire order
@@ -175,6 +183,7 @@ def local_opd(
     step_offset: int,
     total_steps: int,
     optimizer_state: dict[str, np.ndarray] | None = None,
+    teacher_batch: int | None = None,
 ) -> OPDResult:
     """One epoch of on-policy distillation of ``student`` (LoRA at θ_t) towards ``teacher``.
 
@@ -195,12 +204,14 @@ def local_opd(
     }
 
     t0 = time.perf_counter()
-    hidden = {key: teacher_hidden(teacher, b) for key, b in batches.items()}
+    hidden = {key: teacher_hidden(teacher, b, teacher_batch) for key, b in batches.items()}
     t1 = time.perf_counter()
 
     chunk = settings.loss_chunk
     kl_before = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
 
+    if settings.gradient_checkpointing:
+        enable_activation_checkpointing(student.causal_lm)
     params = student.lora_parameters()
     optimizer = make_optimizer(params, settings)
     if optimizer_state:

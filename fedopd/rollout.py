@@ -134,10 +134,25 @@ class HFRolloutEngine(RolloutEngine):
         return Rollouts([list(p) for p in prompts], responses, capped)
 
 
-def make_rollout_engine(backend: str, student, **kwargs) -> RolloutEngine:
-    """The engine for ``rollout.backend``; ``auto`` = vLLM where importable with CUDA, else HF."""
+def make_rollout_engine(backend: str, student, *, max_model_len: int = 8192, gpu_memory_utilization: float = 0.3, seed: int = 0, **hf_kwargs) -> RolloutEngine:
+    """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
+    importable and CUDA is present, else HF). ``student`` is the LoRA-wrapped CausalLM."""
+    from fedopd.rollout_vllm import VLLMRolloutEngine, vllm_available
+
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
-    if backend == "vllm":
-        raise ValueError("rollout.backend = 'vllm' is not available yet in this build; use 'hf' or 'auto'")
-    return HFRolloutEngine(student, **kwargs)
+    if backend == "vllm" and not vllm_available():
+        raise ValueError("rollout.backend = 'vllm' needs vLLM installed and a CUDA GPU; use 'hf' or 'auto'")
+    if backend == "vllm" or (backend == "auto" and vllm_available()):
+        from fedopd.models import resolve_model_path
+
+        return VLLMRolloutEngine(
+            resolve_model_path(student.name),
+            student.lora_names(),
+            student.lora_config,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype="bfloat16" if student.dtype == torch.bfloat16 else "auto",
+            seed=seed,
+        )
+    return HFRolloutEngine(student, **hf_kwargs)

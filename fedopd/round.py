@@ -30,10 +30,26 @@ class ClientModels:
 
 
 def load_client_models(
-    student: str, teacher: str, *, lora: LoraSettings, backend: str, dtype: str = "auto", seed: int = 0
+    student: str,
+    teacher: str,
+    *,
+    lora: LoraSettings,
+    backend: str,
+    dtype: str = "auto",
+    seed: int = 0,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.3,
 ) -> ClientModels:
+    """Student (LoRA attached), teacher and the rollout engine for ``backend``.
+
+    With vLLM, the engine asks for ``gpu_memory_utilization`` of the whole GPU, which must still
+    be free after the HF student and teacher are loaded (README: memory split per card).
+    """
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
-    return ClientModels(s, t, make_rollout_engine(backend, s))
+    engine = make_rollout_engine(
+        backend, s, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, seed=seed
+    )
+    return ClientModels(s, t, engine)
 
 
 def derive_seed(*parts: int) -> int:
@@ -62,6 +78,7 @@ def train_round(
     step_offset: int,
     total_steps: int,
     optimizer_state: dict[str, np.ndarray] | None = None,
+    teacher_batch: int | None = None,
 ) -> TrainOutput:
     """A client's work in one round, from the global factors θ_t.
 
@@ -93,6 +110,7 @@ def train_round(
         step_offset=step_offset,
         total_steps=total_steps,
         optimizer_state=optimizer_state,
+        teacher_batch=teacher_batch,
     )
     t4 = time.perf_counter()
 

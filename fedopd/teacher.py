@@ -57,9 +57,20 @@ def make_batch(
 
 
 @torch.no_grad()
-def teacher_hidden(teacher, batch: TokenBatch) -> torch.Tensor:
-    """The teacher's final hidden states at response positions, (N, H_teacher)."""
-    return teacher.hidden_states(batch.input_ids, batch.attention_mask)[batch.loss_mask]
+def teacher_hidden(teacher, batch: TokenBatch, max_rows: int | None = None) -> torch.Tensor:
+    """The teacher's final hidden states at response positions, (N, H_teacher).
+
+    ``max_rows`` sequences go through the teacher at a time (``model.teacher-batch``), so its
+    activations fit beside the student and the rollout engine on one GPU.
+    """
+    rows = batch.input_ids.shape[0]
+    step = max_rows or rows
+    parts = []
+    for i in range(0, rows, step):
+        ids, att, mask = batch.input_ids[i : i + step], batch.attention_mask[i : i + step], batch.loss_mask[i : i + step]
+        width = int(att.sum(-1).max())  # right padding: drop the all-pad tail of this slice
+        parts.append(teacher.hidden_states(ids[:, :width], att[:, :width])[mask[:, :width]])
+    return torch.cat(parts)
 
 
 @torch.no_grad()

@@ -72,3 +72,20 @@ def test_scoring_cache_survives_the_array_round_trip(round_result):
     _, _, out = round_result
     back = ScoringCache.from_arrays({k: v.copy() for k, v in out.cache.to_arrays().items()})
     assert back.teacher_score_at_start() == out.cache.teacher_score_at_start()
+
+
+def test_activation_checkpointing_leaves_the_update_unchanged(tiny_pair):
+    from fedopd.opd import local_opd
+    from fedopd.rollout import SamplingParams
+
+    student, teacher = tiny_pair
+    theta = student.get_lora_arrays()
+    rollouts = HFRolloutEngine(student).generate([[258, 70, 71]] * 8, SamplingParams(16, seed=1))
+    results = []
+    for checkpointing in (False, True):
+        student.set_lora_arrays(theta)
+        settings = dataclasses.replace(RunConfig().train, gradient_checkpointing=checkpointing)
+        results.append(local_opd(student, teacher, rollouts, settings, step_offset=0, total_steps=2))
+    student.set_lora_arrays(theta)
+    assert results[0].metrics["loss"] == pytest.approx(results[1].metrics["loss"], rel=1e-6)
+    assert all(np.allclose(a, b, atol=1e-7) for a, b in zip(results[0].arrays, results[1].arrays))

@@ -70,3 +70,10 @@ def test_config_cli_validates_a_file_of_overrides(tmp_path, capsys):
     assert "'strategy.name' = 'fedprox' is invalid" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.toml")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_booleans_accept_toml_booleans_and_their_spelling():
+    assert parse_run_config({"train.gradient-checkpointing": True}).train.gradient_checkpointing is True
+    assert parse_run_config({"train.gradient-checkpointing": "false"}).train.gradient_checkpointing is False
+    with pytest.raises(ConfigError, match="'train.gradient-checkpointing' = 1 is invalid; allowed: true or false"):
+        parse_run_config({"train.gradient-checkpointing": 1})
