@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from fedopd.config import DataConfig, LoraSettings, ModelConfig, RolloutSettings, RunConfig
+from fedopd.config import DataConfig, LoraSettings, ModelConfig, RunConfig
 from fedopd.data import MATH_CLIENT_GROUPS, Prompt, encode_prompts, load_math_rows, partition_math, tiny_arith_partition
 from fedopd.round import ClientModels, load_client_models
 
@@ -18,17 +18,21 @@ _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
 
 
 @lru_cache(maxsize=1)
-def worker_models(model: ModelConfig, lora: LoraSettings, rollout: RolloutSettings, max_prompt_tokens: int, seed: int) -> ClientModels:
-    """One student, teacher and rollout engine per process (a new config replaces the old)."""
+def worker_models(
+    model: ModelConfig, lora: LoraSettings, backend: str, max_model_len: int, gpu_memory_utilization: float
+) -> ClientModels:
+    """One student, teacher and rollout engine per process (a new config replaces the old).
+
+    The LoRA init seed is irrelevant here: every message brings the factors to use.
+    """
     return load_client_models(
         model.student,
         model.teacher,
         lora=lora,
-        backend=rollout.backend,
+        backend=backend,
         dtype=model.dtype,
-        seed=seed,
-        max_model_len=max_prompt_tokens + rollout.max_new_tokens,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
     )
 
 
@@ -50,7 +54,8 @@ def partition_rows(data: DataConfig, partition_id: int, num_partitions: int, see
 
 def setup(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[ClientModels, tuple[Prompt, ...]]:
     """The worker's models and this client's tokenized prompts, each loaded once per process."""
-    models = worker_models(cfg.model, cfg.lora, cfg.rollout, cfg.data.max_prompt_tokens, cfg.seed)
+    r = cfg.rollout
+    models = worker_models(cfg.model, cfg.lora, r.backend, cfg.data.max_prompt_tokens + r.max_new_tokens, r.gpu_memory_utilization)
     key = (cfg.data, partition_id, num_partitions, cfg.seed, cfg.model.student)
     if key not in _PROMPTS:
         rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.seed)
