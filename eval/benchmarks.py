@@ -86,5 +86,5 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
     if len(rows) not in spec.expected:
         import warnings
 
-        warnings.warn(f"{spec.hub_id} has {len(rows)} problems; expected {' or '.join(map(str, spec.expected))}")
+        warnings.warn(f"{spec.hub_id} has {len(rows)} problems; expected {' or '.join(map(str, spec.expected))}", stacklevel=2)
     return rows

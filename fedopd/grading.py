@@ -125,7 +125,7 @@ class _Worker:
 
     def run(self, pred: str, gold: str, timeout: float) -> bool:
         with self._lock:
-            for attempt in range(2):
+            for _ in range(2):
                 try:
                     return bool(self._request(pred, gold, timeout))
                 except (EOFError, BrokenPipeError, OSError):

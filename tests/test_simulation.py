@@ -5,7 +5,6 @@ with a config of its own (the tiny preset, made smaller). Flower logs a failed S
 of raising, so every assertion is on what the run wrote.
 """
 
-import dataclasses
 import json
 
 import numpy as np
