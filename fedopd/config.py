@@ -105,6 +105,7 @@ class CacheSettings:
 @dataclass(frozen=True)
 class RunConfig:
     num_server_rounds: int = 5
+    num_clients: int = 0  # 0: every node connected when the run starts
     seed: int = 42
     output_dir: str = "runs"
     preset: str = "tiny"
@@ -179,6 +180,7 @@ def _key(key: str, path: str, spec: tuple[type, Check, str]) -> None:
 
 
 _key("num-server-rounds", "num_server_rounds", _int(1))
+_key("num-clients", "num_clients", _int(0))
 _key("seed", "seed", _int(0))
 _key("output-dir", "output_dir", _nonempty())
 _key("preset", "preset", _nonempty())

@@ -74,7 +74,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> None:
     log(INFO, "FedTOPS run folder: %s", run.path.resolve())
     run.save_adapter(0, arrays)
 
-    num_clients = max(1, len(list(grid.get_node_ids())))
+    # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
+    num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     strategy = make_strategy(cfg.strategy, num_clients=num_clients)
 
     def after_round(server_round: int, global_arrays: ArrayRecord):

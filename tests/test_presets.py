@@ -21,7 +21,7 @@ def test_preset_validates_and_carries_the_paper_values(name, capsys):
     student, lr = PRESETS[name]
     assert (cfg.model.student, cfg.model.teacher, cfg.train.lr) == (student, "Qwen/Qwen3-8B", lr)
     assert cfg.rollout.backend == "vllm" and cfg.data.name == "math" and cfg.data.prompts_per_client == 570
-    assert cfg.num_server_rounds == 50 and cfg.seed == 42
+    assert cfg.num_server_rounds == 50 and cfg.seed == 42 and cfg.num_clients == 3
     assert (cfg.rollout.per_round, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p) == (32, 4096, 1.0, 1.0)
     assert cfg.data.max_prompt_tokens == 2048
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout) == (8, 16.0, 0.0)
