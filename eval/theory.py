@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -81,21 +82,28 @@ def pooled_sources(eta, *, h, w, E, T, b, u0) -> list[float]:
     return [b - (b - u0) * rp**t for t in range(T)]
 
 
-def construction_scores(
-    eta: float,
-    *,
-    h: Sequence[float] = (1, 9),
-    w: Sequence[float] = (0.5, 0.5),
-    E: int = 4,
-    T: int = 5,
-    b: float = 10.0,
-    c: float = 7.25,
-    lam: float = 2.0,
-    u0: float = 0.0,
-    v0: float = 0.0,
-) -> dict[str, float]:
-    """S(v_T) of FedAvg, the Local mean Σ_i w_i S(v_{i,T}^L), Pooled and source-swapped FedAvg."""
-    h, w = _arrays(h, w)
+@dataclass(frozen=True)
+class Construction:
+    """The construction's parameters; defaults are the paper's numerical illustration."""
+
+    h: Sequence[float] = (1, 9)  # client curvatures h_i = x_i²
+    w: Sequence[float] = (0.5, 0.5)  # client weights
+    E: int = 4  # local steps per round
+    T: int = 5  # rounds
+    b: float = 10.0  # prerequisite optimum
+    c: float = 7.25  # access threshold
+    lam: float = 2.0  # downstream precision λ
+    u0: float = 0.0
+    v0: float = 0.0
+
+
+def construction_scores(eta: float, **params) -> dict[str, float]:
+    """S(v_T) of FedAvg, the Local mean Σ_i w_i S(v_{i,T}^L), Pooled and source-swapped FedAvg.
+
+    ``params`` override the fields of :class:`Construction`.
+    """
+    p = Construction(**params)
+    h, w, E, T, b, c, lam, u0, v0 = _arrays(p.h, p.w) + (p.E, p.T, p.b, p.c, p.lam, p.u0, p.v0)
     _check_stable(eta, h, lam)
     kw = dict(h=h, w=w, E=E, T=T, b=b, u0=u0)
     u_fed, u_pool = fedavg_sources(eta, **kw), pooled_sources(eta, **kw)
@@ -111,28 +119,17 @@ def construction_scores(
         resid = (1 - v0) * math.prod((1 - eta * lam * float(access(u, np.array([hi]), c)[0])) ** E for u in ui)
         local += wi * score(1 - resid)
 
-    return {"fedavg": score(1 - fed), "local_mean": local, "pooled": score(1 - pooled), "swapped": score(1 - swap)}
+    return {"fedavg": score(1 - fed), "local_mean": float(local), "pooled": score(1 - pooled), "swapped": score(1 - swap)}
 
 
-def clock_derivatives(
-    eta: float,
-    *,
-    h: Sequence[float] = (1, 9),
-    w: Sequence[float] = (0.5, 0.5),
-    E: int = 4,
-    T: int = 5,
-    b: float = 10.0,
-    c: float = 7.25,
-    lam: float = 2.0,
-    u0: float = 0.0,
-    v0: float = 0.0,
-) -> tuple[float, float]:
+def clock_derivatives(eta: float, **params) -> tuple[float, float]:
     """(direct, mediated) parts of dC_T/dη, the supervision clock's derivative (paper eq. clock).
 
     direct   = −Σ_t ∂_η log s_η(u) at u = u_t^F (learning on the same prefixes);
     mediated = Σ_t κ_η(u_t^F) du_t^F/dη with κ_η(u) = −∂_u log s_η(u) (accessing other supervision).
     """
-    h, w = _arrays(h, w)
+    p = Construction(**params)
+    h, w, E, T, b, c, lam, u0 = _arrays(p.h, p.w) + (p.E, p.T, p.b, p.c, p.lam, p.u0)
     _check_stable(eta, h, lam)
     x = np.sqrt(h)
     r = r_factor(eta, h, w, E)
@@ -149,22 +146,10 @@ def clock_derivatives(
     return direct, mediated
 
 
-def scaled_score(
-    eta: float,
-    a: float,
-    *,
-    h: Sequence[float] = (1, 9),
-    w: Sequence[float] = (0.5, 0.5),
-    E: int = 4,
-    T: int = 5,
-    b: float = 10.0,
-    c: float = 7.25,
-    lam: float = 2.0,
-    u0: float = 0.0,
-    v0: float = 0.0,
-) -> float:
+def scaled_score(eta: float, a: float, **params) -> float:
     """S(v_T) when every round's FedAvg increment is scaled by a (paper Prop. "safe amplitude")."""
-    h, w = _arrays(h, w)
+    p = Construction(**params)
+    h, w, E, T, b, c, lam, u0, v0 = _arrays(p.h, p.w) + (p.E, p.T, p.b, p.c, p.lam, p.u0, p.v0)
     _check_stable(eta, h, lam)
     r = r_factor(eta, h, w, E)
     u, resid = u0, 1 - v0
@@ -175,10 +160,11 @@ def scaled_score(
     return score(1 - resid)
 
 
-def safe_multiplier_bound(eta: float, *, h=(1, 9), w=(0.5, 0.5), E: int = 4, lam: float = 2.0) -> float:
+def safe_multiplier_bound(eta: float, **params) -> float:
     """a_max = min{1/(1 − r_η), 1/(1 − (1 − ηλ)^E)}: scaling by a ∈ [1, a_max] never overshoots."""
-    h, w = _arrays(h, w)
-    return min(1 / (1 - r_factor(eta, h, w, E)), 1 / (1 - (1 - eta * lam) ** E))
+    p = Construction(**params)
+    h, w = _arrays(p.h, p.w)
+    return min(1 / (1 - r_factor(eta, h, w, p.E)), 1 / (1 - (1 - eta * p.lam) ** p.E))
 
 
 # ---------------------------------------------------------------------------------------------
