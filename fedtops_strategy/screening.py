@@ -85,6 +85,10 @@ class ReplyScreening:
                 continue
             kept.append(msg)
             clients.append(client_metrics(msg))
+        # Flower samples nodes in random order; fix one (by partition, then node id) so that the
+        # fp32 average, the score query and the round record do not depend on it.
+        order = sorted(range(len(kept)), key=lambda i: (clients[i].get("partition-id", 0), clients[i]["node-id"]))
+        kept, clients = [kept[i] for i in order], [clients[i] for i in order]
         self.records[server_round] = {
             "round": server_round,
             "strategy": self.strategy_name,
