@@ -25,6 +25,7 @@ import numpy as np
 
 from eval.benchmarks import BENCHMARKS, PAPER_ORDER
 from eval.metrics import macro_average
+from fedtops_strategy.selection import feasible_indices
 
 METRIC_TITLES = {"avg_at_k": "Avg@{k}", "pass_at_k": "Pass@{k}", "cap_hit": "Cap-hit rate"}
 LOWER_IS_BETTER = {"cap_hit"}
@@ -116,8 +117,8 @@ def selection_matrix(rounds: list[dict], trust_budget: float, feasibility_tol: f
     for t, r in enumerate(scored):
         j = np.asarray(r["teacher_scores"], dtype=float)
         diff[:, t] = j - (j[ref] if ref is not None else np.nanmin(j))
-        k = np.asarray([[float(x) for x in row] for row in r["change_scores"]])
-        feasible[:, t] = np.all(k <= trust_budget + feasibility_tol, axis=0)
+        change = [[float(x) for x in row] for row in r["change_scores"]]
+        feasible[feasible_indices(change, trust_budget, len(cands), feasibility_tol), t] = True
         if r["multiplier"] in cands:
             selected[cands.index(r["multiplier"]), t] = True
     return cands, [r["round"] for r in scored], diff, feasible, selected

@@ -58,7 +58,18 @@ def summarize(records: list[dict], samples: int) -> dict:
     return {"benchmarks": per, "macro": macro}
 
 
-def evaluate(student, engine, benchmarks: dict[str, list[dict]], params: SamplingParams, samples: int, batch_size: int, progress: bool = True) -> list[dict]:
+def encode_benchmarks(tokenizer, benchmarks: dict[str, list[dict]]) -> dict[str, list[list[int]]]:
+    """Chat-rendered prompt ids of every problem (SPEC §3 instruction, non-thinking)."""
+    return {
+        name: [tokenizer(render_prompt(tokenizer, r["problem"]), add_special_tokens=False)["input_ids"] for r in rows]
+        for name, rows in benchmarks.items()
+    }
+
+
+def evaluate(
+    student, engine, benchmarks: dict[str, list[dict]], prompt_ids: dict[str, list[list[int]]],
+    params: SamplingParams, samples: int, batch_size: int, progress: bool = True,
+) -> list[dict]:
     """Generate ``samples`` responses per problem, grade them, return one record per response."""
     from tqdm.auto import tqdm
 
@@ -67,7 +78,7 @@ def evaluate(student, engine, benchmarks: dict[str, list[dict]], params: Samplin
     bar = tqdm(total=total, desc="responses", unit="resp", disable=not progress)
     records = []
     for b_index, (name, rows) in enumerate(benchmarks.items()):
-        prompts = [tok(render_prompt(tok, r["problem"]), add_special_tokens=False)["input_ids"] for r in rows]
+        prompts = prompt_ids[name]
         jobs = [(j, m) for j in range(len(rows)) for m in range(samples)]
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
@@ -143,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = ([("base", None)] if args.base else []) + list(zip(labels, args.adapter))
     lora = lora_settings_of(args.adapter[0]) if args.adapter else LoraSettings()
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
-    longest = max(len(student.tokenizer(render_prompt(student.tokenizer, r["problem"]))["input_ids"]) for rows in benchmarks.values() for r in rows)
+    prompt_ids = encode_benchmarks(student.tokenizer, benchmarks)
+    longest = max(len(ids) for ids in (i for batch in prompt_ids.values() for i in batch))
     engine = make_rollout_engine(
         args.backend, student, max_model_len=longest + args.max_new_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, batch_size=args.batch_size,
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             arrays = load_adapter(adapter, student.lora_names())[1]
         engine.set_adapter(arrays)
         t0 = time.perf_counter()
-        records = evaluate(student, engine, benchmarks, params, args.samples, args.batch_size, not args.no_progress)
+        records = evaluate(student, engine, benchmarks, prompt_ids, params, args.samples, args.batch_size, not args.no_progress)
         summary = summarize(records, args.samples)
         summary.update(
             label=label, model=args.model, adapter=str(adapter) if adapter else None, seconds=time.perf_counter() - t0,

@@ -49,13 +49,6 @@ class Rollouts:
     def cap_hit_rate(self) -> float:
         return float(np.mean(self.capped)) if self.capped else 0.0
 
-    def subset(self, indices: Sequence[int]) -> "Rollouts":
-        return Rollouts(
-            [self.prompt_ids[i] for i in indices],
-            [self.response_ids[i] for i in indices],
-            [self.capped[i] for i in indices],
-        )
-
 
 class RolloutEngine(ABC):
     """Generates rollouts from the student with the LoRA factors it was last given."""

@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedopd.lora import apply_increment, increment
 from fedtops_strategy.screening import WEIGHT_KEY, ReplyScreening
-from fedtops_strategy.selection import select_multiplier
+from fedtops_strategy.selection import feasible_indices, select_multiplier
 
 SCORE_MESSAGE_TYPE = "query.score"
 DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
@@ -110,9 +110,8 @@ class FedTOPS(ReplyScreening, FedAvg):
                 feasibility_tol=self.feasibility_tol,
             )
             record["fallback"] = False
-            record["num-feasible"] = sum(
-                all(k[j] <= self.trust_budget + self.feasibility_tol for k in record["change_scores"])
-                for j in range(len(self.candidates))
+            record["num-feasible"] = len(
+                feasible_indices(record["change_scores"], self.trust_budget, len(self.candidates), self.feasibility_tol)
             )
         else:
             log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
