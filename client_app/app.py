@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 from client_app.worker import setup
 from fedopd.cache import ScoringCache
 from fedopd.config import RunConfig
-from fedopd.lora import check_compatible
+from fedopd.lora import check_compatible, from_record
 from fedopd.round import derive_seed, score_round, train_round
 
 app = ClientApp()
@@ -48,8 +48,7 @@ def handle_train(msg: Message, context: Context, cfg: RunConfig) -> Message:
     pid, num = _partition(context)
     models, prompts = setup(cfg, pid, num)
     server_round = int(msg.content["config"]["server-round"])
-    arrays: ArrayRecord = msg.content["arrays"]
-    theta = arrays.to_numpy_ndarrays()
+    theta = from_record(msg.content["arrays"])
 
     state = context.state
     persistent = cfg.train.optimizer_state == "persistent" and OPTIMIZER in state
@@ -70,14 +69,14 @@ def handle_train(msg: Message, context: Context, cfg: RunConfig) -> Message:
         teacher_batch=cfg.model.teacher_batch,
     )
 
-    state[THETA] = ArrayRecord({k: Array(a) for k, a in zip(arrays.keys(), theta)})
+    state[THETA] = ArrayRecord({k: Array(a) for k, a in theta.items()})
     state[CACHE] = ArrayRecord({k: Array(v) for k, v in out.cache.to_arrays().items()})
     if cfg.train.optimizer_state == "persistent":
         state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in out.optimizer_state.items()})
     state[META] = ConfigRecord({"server-round": server_round})
 
     metrics = MetricRecord({**{k: float(v) for k, v in out.metrics.items()}, "partition-id": pid, "num-examples": len(prompts)})
-    reply = RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in zip(arrays.keys(), out.arrays)}), "metrics": metrics})
+    reply = RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in out.arrays.items()}), "metrics": metrics})
     return Message(content=reply, reply_to=msg)
 
 
@@ -89,8 +88,8 @@ def handle_score(msg: Message, context: Context, cfg: RunConfig) -> Message:
     if THETA not in state or int(state[META]["server-round"]) != server_round:
         raise RuntimeError(f"score query for round {server_round}, but this client has no scoring cache of that round")
 
-    theta = state[THETA].to_numpy_ndarrays()
-    delta = msg.content["increment"].to_numpy_ndarrays()
+    theta = from_record(state[THETA])
+    delta = from_record(msg.content["increment"])
     problem = check_compatible(theta, delta)
     if problem:
         raise ValueError(f"score query: the increment does not fit the adapter: {problem}")

@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for label, adapter in targets:
         if adapter is None:
-            arrays = [np.zeros_like(a) for a in student.get_lora_arrays()]  # B = 0: exactly the base model
+            arrays = {n: np.zeros_like(a) for n, a in student.get_lora_arrays().items()}  # B = 0: the base model
         else:
-            arrays = load_adapter(adapter, student.lora_names())[1]
+            arrays = load_adapter(adapter, student.lora_names())
         engine.set_adapter(arrays)
         t0 = time.perf_counter()
         records = evaluate(student, engine, benchmarks, prompt_ids, params, args.samples, args.batch_size, not args.no_progress)

@@ -15,7 +15,7 @@ The first half of this module is pure tensor math; :func:`build_scoring_cache` a
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,8 +41,31 @@ def coarsen(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) over the last dimension, with 0·log 0 = 0 (and +inf where q = 0 < p)."""
-    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+    """KL(p ‖ q) over the last dimension, with 0·log 0 = 0 (and +inf where q = 0 < p).
+
+    Never negative (SPEC §3): rounding-level negatives, as for two numerically identical
+    distributions, are clamped to 0.
+    """
+    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1).clamp_min(0.0)
+
+
+def coarsen_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``coarsen(softmax(logits), token_ids)`` in float64, with the tail computed from the logits.
+
+    logits: (..., V), any float dtype (upcast to fp32 first). token_ids: (..., k), ``-1`` = padding.
+    Returns float64 (..., k+1). The retained probabilities are ``exp(logit − logsumexp)`` and the
+    tail is ``exp(logsumexp over the ids outside S − logsumexp)``: mathematically the same
+    ``1 − Σ_S p`` as :func:`coarsen`, but it does not round to 0 when the retained mass is within
+    fp32 rounding of 1 (a KL against a zero tail would be infinite).
+    """
+    logits = logits.float()
+    total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    pad = token_ids < 0
+    safe = torch.where(pad, token_ids[..., :1].clamp_min(0), token_ids)  # padding -> an id already in S
+    kept = torch.exp(logits.gather(-1, safe).double() - total.double()).masked_fill(pad, 0.0)
+    outside = logits.scatter(-1, safe, float("-inf"))
+    tail = torch.exp(torch.logsumexp(outside, dim=-1, keepdim=True).double() - total.double())
+    return torch.cat([kept, tail], dim=-1)
 
 
 def union_top_k(first: torch.Tensor, second: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,8 +117,8 @@ class ScoringCache:
     positions:      (N, 2) int64 rows of (sequence index, index in the sequence whose next-token
                     distribution is scored).
     token_ids:      (N, 2k) int64 retained ids S per position, -1 = padding.
-    teacher:        (N, 2k+1) float32 coarsened teacher probabilities q̃.
-    student:        (N, 2k+1) float32 coarsened starting-student probabilities π̃_t.
+    teacher:        (N, 2k+1) float64 coarsened teacher probabilities q̃.
+    student:        (N, 2k+1) float64 coarsened starting-student probabilities π̃_t.
     """
 
     input_ids: np.ndarray
@@ -111,7 +134,7 @@ class ScoringCache:
 
     def teacher_score_at_start(self) -> float:
         """Mean KL(q̃ ‖ π̃_t): Ĵ_i(0) by construction."""
-        return float(kl(torch.from_numpy(self.teacher), torch.from_numpy(self.student)).mean())
+        return float(kl(torch.from_numpy(self.teacher).double(), torch.from_numpy(self.student).double()).mean())
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -149,8 +172,8 @@ def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> Scor
         t_logits = _logits_at(teacher, input_ids, mask, positions)
         s_logits = _logits_at(student, input_ids, mask, positions)
         token_ids = union_top_k(t_logits, s_logits, settings.top_k)
-        q = coarsen(torch.softmax(t_logits, -1), token_ids)
-        p = coarsen(torch.softmax(s_logits, -1), token_ids)
+        q = coarsen_logits(t_logits, token_ids)
+        p = coarsen_logits(s_logits, token_ids)
     return ScoringCache(
         input_ids=input_ids,
         attention_mask=mask,
@@ -162,24 +185,30 @@ def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> Scor
 
 
 def coarse_student(student, cache: ScoringCache) -> torch.Tensor:
-    """π̃ of the student's current weights at the cached prefixes, (N, 2k+1) float32 on CPU."""
+    """π̃ of the student's current weights at the cached prefixes, (N, 2k+1) float64 on CPU."""
     with torch.no_grad():
         logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions)
-        return coarsen(torch.softmax(logits, -1), torch.from_numpy(cache.token_ids))
+        return coarsen_logits(logits, torch.from_numpy(cache.token_ids))
 
 
 def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[float, float]:
-    """(Ĵ_i, K̂_i) of one candidate's coarsened distributions against the cache."""
-    teacher_score = kl(torch.from_numpy(cache.teacher), candidate).mean()
-    change_score = kl(torch.from_numpy(cache.student), candidate).mean()
+    """(Ĵ_i, K̂_i) of one candidate's coarsened distributions π̃_{t,a} against the cache:
+
+    Ĵ_i(a) = mean over cached positions of KL(q̃ ‖ π̃_{t,a})  (teacher agreement),
+    K̂_i(a) = mean over cached positions of KL(π̃_t ‖ π̃_{t,a}) (predictive change).
+    Both are >= 0 (clamped at 0 against rounding).
+    """
+    candidate = candidate.double()
+    teacher_score = kl(torch.from_numpy(cache.teacher).double(), candidate).mean().clamp_min(0.0)
+    change_score = kl(torch.from_numpy(cache.student).double(), candidate).mean().clamp_min(0.0)
     return float(teacher_score), float(change_score)
 
 
 def score_candidates(
     student,
     cache: ScoringCache,
-    theta: Sequence[np.ndarray],
-    increment: Sequence[np.ndarray],
+    theta: Mapping[str, np.ndarray],
+    increment: Mapping[str, np.ndarray],
     multipliers: Sequence[float],
 ) -> tuple[list[float], list[float]]:
     """Ĵ_i(a) and K̂_i(a) for each multiplier a, with the student's LoRA set to θ_t + aΔ.
@@ -197,7 +226,7 @@ def score_candidates(
 
 
 def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray):
-    """fp32 logits (N, V) at ``positions``; the LM head runs only there."""
+    """fp32 logits (N, V) at ``positions`` (the head computes in fp32); it runs only there."""
     ids = torch.from_numpy(input_ids).to(model.device)
     att = torch.from_numpy(mask).to(model.device)
     # Nothing after the last scored position influences it (causal attention): cut the batch there.

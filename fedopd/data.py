@@ -118,19 +118,45 @@ def tiny_arith_partition(partition_id: int, num_partitions: int, prompts_per_cli
 # ---------------------------------------------------------------------------------------------
 
 
+def epoch_order(num_prompts: int, epoch: int, per_round: int, seed: int) -> np.ndarray:
+    """The order in which the per-round loader visits the prompts in ``epoch`` (0-based).
+
+    Each epoch is a permutation seeded by ``(seed, epoch)``. When a round's batch straddles the
+    end of an epoch, the prompts that batch already took from the old epoch are moved behind the
+    part of the new epoch that completes it (keeping the permutation's order otherwise), so no
+    prompt appears twice in one round while ``per_round <= num_prompts``.
+    """
+    order = np.random.default_rng([seed, 0]).permutation(num_prompts)
+    for e in range(1, epoch + 1):
+        perm = np.random.default_rng([seed, e]).permutation(num_prompts)
+        start = e * num_prompts  # global draw index of this epoch's first prompt
+        carried = start - (start // per_round) * per_round  # drawn in the straddling round so far
+        if carried:
+            taken = set(order[num_prompts - carried :].tolist())
+            need = per_round - carried
+            fresh = [int(x) for x in perm if x not in taken]
+            head = (fresh + [int(x) for x in perm if x in taken])[:need]
+            head_set = set(head)
+            perm = np.asarray(head + [int(x) for x in perm if x not in head_set], dtype=perm.dtype)
+        order = perm
+    return order
+
+
 def round_indices(num_prompts: int, server_round: int, per_round: int, seed: int) -> np.ndarray:
     """Indices of the prompts a client uses in ``server_round`` (1-based).
 
     Equivalent to a persistent shuffled loader that draws ``per_round`` prompts per round and
     reshuffles (with seed ``(seed, epoch)``) when it runs out, but stateless: any round's batch
     is recomputed from the round number, so nothing has to survive between Flower messages.
+    A batch never holds a prompt twice unless ``per_round`` exceeds ``num_prompts``
+    (:func:`epoch_order`).
     """
     if num_prompts <= 0:
         raise ValueError("round_indices: no prompts")
     start, stop = (server_round - 1) * per_round, server_round * per_round
     out = []
     for epoch in range(start // num_prompts, (stop - 1) // num_prompts + 1):
-        perm = np.random.default_rng([seed, epoch]).permutation(num_prompts)
+        perm = epoch_order(num_prompts, epoch, per_round, seed)
         lo, hi = epoch * num_prompts, (epoch + 1) * num_prompts
         out.append(perm[max(start, lo) - lo : min(stop, hi) - lo])
     return np.concatenate(out)

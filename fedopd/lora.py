@@ -1,51 +1,66 @@
 """LoRA factor arithmetic in the coordinates that cross the wire.
 
-θ is an ordered list of fp32 numpy arrays: every LoRA A and B factor of the student, in the order
-of :meth:`fedopd.models.CausalLM.lora_names`. Aggregation and server scaling act on these factors
-directly (paper App. "Coordinate-level meaning for LoRA"): no merging, no re-factorization.
+θ is a mapping from factor name to fp32 numpy array: every LoRA A and B factor of the student,
+named as in PEFT's saved state dict (:meth:`fedopd.models.CausalLM.lora_names`) and as the keys of
+the ``ArrayRecord`` that carries it. Factors are matched by name, never by position (several
+factors share a shape). Aggregation and server scaling act on these factors directly (paper App.
+"Coordinate-level meaning for LoRA"): no merging, no re-factorization.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-Arrays = list[np.ndarray]
+Named = dict[str, np.ndarray]
 
 
-def check_compatible(reference: Sequence[np.ndarray], other: Sequence[np.ndarray]) -> str | None:
-    """Why ``other`` cannot be combined with ``reference`` (count, shape, non-finite), or None."""
-    if len(other) != len(reference):
-        return f"{len(other)} arrays, expected {len(reference)}"
-    for i, (r, o) in enumerate(zip(reference, other)):
-        if o.shape != r.shape:
-            return f"array {i} has shape {tuple(o.shape)}, expected {tuple(r.shape)}"
-        if not np.all(np.isfinite(o)):
-            return f"array {i} has non-finite values"
+def from_record(record: Mapping[str, Any]) -> Named:
+    """Named fp32 arrays from an ``ArrayRecord`` (or any mapping of array-likes), in its key order."""
+    return {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v, dtype=np.float32) for k, v in record.items()}
+
+
+def name_mismatch(expected: Sequence[str], got: Sequence[str]) -> str | None:
+    """The first difference between two ordered name lists, as a sentence, or None."""
+    expected, got = list(expected), list(got)
+    missing = [n for n in expected if n not in set(got)]
+    unexpected = [n for n in got if n not in set(expected)]
+    if missing:
+        return f"factor '{missing[0]}' is missing ({len(missing)} missing in all)"
+    if unexpected:
+        return f"factor '{unexpected[0]}' is not in the adapter ({len(unexpected)} unknown in all)"
     return None
 
 
-def weighted_mean(updates: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> Arrays:
-    """Σ_i w_i θ_i / Σ_i w_i, in float64 then cast to fp32."""
-    if not updates:
-        raise ValueError("weighted_mean of no updates")
-    w = np.asarray(weights, dtype=np.float64)
-    if np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
-    w = w / w.sum()
-    return [
-        sum(wi * np.asarray(u[k], dtype=np.float64) for wi, u in zip(w, updates)).astype(np.float32)
-        for k in range(len(updates[0]))
-    ]
+def check_compatible(reference: Mapping[str, np.ndarray], other: Mapping[str, np.ndarray]) -> str | None:
+    """Why ``other`` cannot be combined with ``reference`` (names, shapes, non-finite), or None."""
+    problem = name_mismatch(list(reference), list(other))
+    if problem:
+        return problem
+    for name, r in reference.items():
+        o = np.asarray(other[name])
+        if o.shape != r.shape:
+            return f"factor '{name}' has shape {tuple(o.shape)}, expected {tuple(r.shape)}"
+        if not np.all(np.isfinite(o)):
+            return f"factor '{name}' has non-finite values"
+    return None
 
 
-def increment(new: Sequence[np.ndarray], old: Sequence[np.ndarray]) -> Arrays:
-    """Δ = new − old, per factor."""
-    return [np.asarray(n, dtype=np.float32) - np.asarray(o, dtype=np.float32) for n, o in zip(new, old)]
+def _require_same_names(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> None:
+    problem = name_mismatch(list(a), list(b))
+    if problem:
+        raise ValueError(f"LoRA factors do not match: {problem}")
 
 
-def apply_increment(theta: Sequence[np.ndarray], delta: Sequence[np.ndarray], multiplier: float) -> Arrays:
-    """θ + aΔ, per factor, in fp32."""
+def increment(new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray]) -> Named:
+    """Δ = new − old, per named factor (in ``old``'s order)."""
+    _require_same_names(old, new)
+    return {k: np.asarray(new[k], dtype=np.float32) - np.asarray(o, dtype=np.float32) for k, o in old.items()}
+
+
+def apply_increment(theta: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], multiplier: float) -> Named:
+    """θ + aΔ, per named factor, in fp32 (in ``theta``'s order)."""
+    _require_same_names(theta, delta)
     a = np.float32(multiplier)
-    return [np.asarray(t, dtype=np.float32) + a * np.asarray(d, dtype=np.float32) for t, d in zip(theta, delta)]
+    return {k: np.asarray(t, dtype=np.float32) + a * np.asarray(delta[k], dtype=np.float32) for k, t in theta.items()}

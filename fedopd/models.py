@@ -3,7 +3,7 @@
 Both models load with ``transformers`` from a hub id or a local folder (the built-in tiny models of
 :mod:`fedopd.tiny` are local folders too, so they take exactly this path). Computation runs in
 bf16 on GPU and fp32 on CPU; the LoRA factors are fp32 in both cases (PEFT upcasts adapters), and
-they cross the wire as an ordered list of fp32 numpy arrays (:mod:`fedopd.lora`).
+they cross the wire as fp32 numpy arrays keyed by PEFT's factor names (:mod:`fedopd.lora`).
 
 :class:`CausalLM` exposes the two halves of a forward pass separately, final hidden states and the
 LM head, so that callers can evaluate the vocabulary projection only where it is needed (cached
@@ -16,13 +16,14 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedopd.config import LoraSettings
+from fedopd.lora import name_mismatch
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -110,10 +111,16 @@ class CausalLM:
         return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on hidden states (..., H) -> (..., logit_width), in the model's dtype."""
+        """The LM head on hidden states (..., H) -> (..., logit_width), computed in fp32.
+
+        SPEC §3: probabilities come from fp32 logits, not from bf16 logits upcast afterwards. The
+        hidden states and the head's weight are upcast (a no-op for an fp32 model), so a bf16
+        model's logits carry no bf16 rounding of their own. Callers evaluate the head only where
+        they need it (cached positions, one loss chunk at a time).
+        """
         head = self.causal_lm.get_output_embeddings()
-        bias = head.bias[: self.logit_width] if head.bias is not None else None
-        out = F.linear(hidden, head.weight[: self.logit_width], bias)
+        bias = head.bias[: self.logit_width].float() if head.bias is not None else None
+        out = F.linear(hidden.float(), head.weight[: self.logit_width].float(), bias)
         cap = getattr(self.causal_lm.config, "final_logit_softcapping", None)
         if cap:
             out = torch.tanh(out / cap) * cap
@@ -130,25 +137,43 @@ class CausalLM:
 
         return list(get_peft_model_state_dict(self.model).keys())
 
-    def get_lora_arrays(self) -> list[np.ndarray]:
-        """The LoRA factors as fp32 numpy arrays (copies), in :meth:`lora_names` order."""
+    def get_lora_arrays(self) -> dict[str, np.ndarray]:
+        """The LoRA factors as fp32 numpy arrays (copies), keyed by name in :meth:`lora_names` order."""
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model)
-        return [t.detach().to(torch.float32).cpu().numpy().copy() for t in state.values()]
+        return {n: t.detach().to(torch.float32).cpu().numpy().copy() for n, t in state.items()}
 
-    def set_lora_arrays(self, arrays: Sequence[np.ndarray]) -> None:
-        """Copy fp32 factors into the adapter (bit-exact for an fp32 adapter)."""
+    def set_lora_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Copy named fp32 factors into the adapter, matched by name (bit-exact for fp32).
+
+        The names must be exactly the adapter's (:meth:`lora_names`); the first missing or
+        unknown name, or a wrong shape, is an error that names the factor.
+        """
         from peft import set_peft_model_state_dict
 
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"LoRA factors must be given by name (a mapping), got {type(arrays).__name__}")
         names = self.lora_names()
-        if len(arrays) != len(names):
-            raise ValueError(f"got {len(arrays)} LoRA arrays, the student has {len(names)} factors")
-        state = {n: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for n, a in zip(names, arrays)}
+        problem = name_mismatch(names, list(arrays))
+        if problem:
+            raise ValueError(f"LoRA arrays do not match the adapter of '{self.name}': {problem}")
+        current = self.lora_shapes()
+        for n in names:
+            if tuple(np.shape(arrays[n])) != current[n]:
+                raise ValueError(
+                    f"LoRA factor '{n}' has shape {tuple(np.shape(arrays[n]))}, the adapter's is {current[n]}"
+                )
+        state = {n: torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.float32)) for n in names}
         result = set_peft_model_state_dict(self.model, state)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"LoRA arrays did not match the adapter: unexpected keys {unexpected[:3]}")
+
+    def lora_shapes(self) -> dict[str, tuple[int, ...]]:
+        from peft import get_peft_model_state_dict
+
+        return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(self.model).items()}
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -250,25 +275,23 @@ def load_pair(
 # ---------------------------------------------------------------------------------------------
 
 
-def save_adapter(path: str | Path, names: Sequence[str], arrays: Sequence[np.ndarray], config) -> Path:
+def save_adapter(path: str | Path, arrays: Mapping[str, np.ndarray], config) -> Path:
     """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
 
-    Needs no model: the server writes the global adapter from the arrays it aggregated. ``config``
-    is the ``peft.LoraConfig`` (:func:`lora_config`).
+    Needs no model: the server writes the global adapter from the named arrays it aggregated.
+    ``config`` is the ``peft.LoraConfig`` (:func:`lora_config`).
     """
     from safetensors.numpy import save_file
 
-    if len(names) != len(arrays):
-        raise ValueError(f"{len(names)} names for {len(arrays)} arrays")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in zip(names, arrays)}, str(path / ADAPTER_WEIGHTS))
+    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in arrays.items()}, str(path / ADAPTER_WEIGHTS))
     config.save_pretrained(str(path))
     return path
 
 
-def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> tuple[list[str], list[np.ndarray]]:
-    """Read a PEFT adapter folder into (names, fp32 arrays), in ``names`` order when given."""
+def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Read a PEFT adapter folder into named fp32 arrays, in ``names`` order when given."""
     from safetensors.numpy import load_file
 
     weights = Path(path) / ADAPTER_WEIGHTS
@@ -279,5 +302,4 @@ def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> tuple[
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ValueError(f"adapter '{path}' lacks {len(missing)} factors, e.g. '{missing[0]}'")
-    return names, [tensors[n].astype(np.float32) for n in names]
-
+    return {n: tensors[n].astype(np.float32) for n in names}

@@ -140,17 +140,27 @@ def cosine_lr(base_lr: float, step: int, total_steps: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+_CHECKPOINTING_FLAG = "_fedtops_activation_checkpointing"
+
+
 def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer in backward (transformers 5 name, falling back to 4.x's)."""
+    """Recompute each decoder layer in backward (transformers 5 name, falling back to 4.x's).
+
+    Idempotent: enabling registers hooks on the model, so it happens once per model (process),
+    not once per round.
+    """
+    if getattr(model, _CHECKPOINTING_FLAG, False):
+        return
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    setattr(model, _CHECKPOINTING_FLAG, True)
 
 
 @dataclass
 class OPDResult:
-    arrays: list[np.ndarray]  # θ_{t,i}^+ in wire order
+    arrays: dict[str, np.ndarray]  # θ_{t,i}^+, named factors
     optimizer_state: dict[str, np.ndarray]
     metrics: dict[str, float]
 
@@ -161,6 +171,32 @@ def micro_batches(num_rollouts: int, mini_batch: int, micro_batch: int) -> list[
         raise ValueError(f"train.mini-batch = {mini_batch} is not a multiple of train.micro-batch = {micro_batch}")
     minis = [list(range(s, min(s + mini_batch, num_rollouts))) for s in range(0, num_rollouts, mini_batch)]
     return [[m[i : i + micro_batch] for i in range(0, len(m), micro_batch)] for m in minis]
+
+
+def minibatch_gradient(student, teacher, micro: Sequence[TokenBatch], hidden: Sequence[torch.Tensor], chunk: int) -> float:
+    """Accumulate into ``.grad`` the gradient of one mini-batch's loss and return the loss.
+
+    The loss is the token mean over the *whole* mini-batch: every micro-batch's summed reverse
+    KL is divided by the mini-batch's token count, so micro-batches of unequal length weigh by
+    their tokens, not equally.
+    """
+    tokens = max(sum(b.num_tokens for b in micro), 1)
+    loss_sum = 0.0
+    for b, th in zip(micro, hidden):
+        hs = student.hidden_states(b.input_ids, b.attention_mask)[b.loss_mask]
+        loss = reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk) / tokens
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], lr: float, grad_clip: float) -> None:
+    """Clip the gradient norm to ``grad_clip``, set the learning rate, step, clear gradients."""
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
@@ -190,7 +226,8 @@ def local_opd(
     ``settings`` is a :class:`fedopd.config.TrainSettings`; ``step_offset`` the number of local
     steps this client took in earlier rounds (the cosine schedule's position). Metrics:
     ``loss`` (mean mini-batch loss), ``kl_before`` / ``kl_after`` (token-mean reverse KL on these
-    rollouts with θ_t and with the result), ``steps``, ``tokens``, ``teacher_s``, ``train_s``.
+    rollouts with θ_t and with the result), ``steps``, ``tokens``, ``lr_first`` / ``lr_last``
+    (learning rates of the round's first and last step), ``teacher_s``, ``train_s``.
     """
     if len(rollouts) == 0:
         raise ValueError("local_opd: no rollouts to train on")
@@ -217,24 +254,13 @@ def local_opd(
     if optimizer_state:
         load_optimizer_state(optimizer, optimizer_state)
     student.model.train()
-    losses = []
+    losses, rates = [], []
     for step, mini in enumerate(plan):
         lr = cosine_lr(settings.lr, step_offset + step, total_steps)
         keys = [tuple(idx) for idx in mini]
-        tokens = sum(batches[k].num_tokens for k in keys)
-        loss_sum = 0.0
-        for k in keys:
-            b = batches[k]
-            hs = student.hidden_states(b.input_ids, b.attention_mask)[b.loss_mask]
-            loss = reverse_kl_sum_from_hidden(hs, student.logits, hidden[k], teacher.logits, chunk) / max(tokens, 1)
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_sum)
+        losses.append(minibatch_gradient(student, teacher, [batches[k] for k in keys], [hidden[k] for k in keys], chunk))
+        optimizer_step(optimizer, params, lr, settings.grad_clip)
+        rates.append(lr)
     student.model.eval()
     t2 = time.perf_counter()
 
@@ -248,7 +274,8 @@ def local_opd(
             "kl_after": kl_after,
             "steps": len(plan),
             "tokens": int(sum(b.num_tokens for b in batches.values())),
-            "lr_last": lr,
+            "lr_first": rates[0],
+            "lr_last": rates[-1],
             "teacher_s": t1 - t0,
             "train_s": t2 - t1,
         },

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -54,8 +54,8 @@ class RolloutEngine(ABC):
     """Generates rollouts from the student with the LoRA factors it was last given."""
 
     @abstractmethod
-    def set_adapter(self, arrays: Sequence[np.ndarray]) -> None:
-        """Use these LoRA factors (fp32, wire order) for the following requests."""
+    def set_adapter(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Use these LoRA factors (named fp32 arrays) for the following requests."""
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
@@ -86,7 +86,7 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_ids = {int(e) for e in eos + [tok.eos_token_id] if e is not None}
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def set_adapter(self, arrays: Sequence[np.ndarray]) -> None:
+    def set_adapter(self, arrays: Mapping[str, np.ndarray]) -> None:
         self.student.set_lora_arrays(arrays)
 
     @torch.no_grad()

@@ -16,10 +16,11 @@ import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
+from fedopd.lora import name_mismatch
 from fedopd.models import save_adapter
 from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams
 
@@ -84,11 +85,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self._next_id = 0
         self._request = None
 
-    def set_adapter(self, arrays: Sequence[np.ndarray]) -> None:
+    def set_adapter(self, arrays: Mapping[str, np.ndarray]) -> None:
         from vllm.lora.request import LoRARequest
 
+        problem = name_mismatch(self.names, list(arrays))
+        if problem:
+            raise ValueError(f"LoRA arrays do not match the student's adapter: {problem}")
+
         self._next_id += 1  # never reuse a name or an id: vLLM would serve the cached weights
-        folder = save_adapter(self.workdir / f"adapter-{self._next_id:06d}", self.names, arrays, self.lora_config)
+        folder = save_adapter(self.workdir / f"adapter-{self._next_id:06d}", {n: arrays[n] for n in self.names}, self.lora_config)
         previous = self.workdir / f"adapter-{self._next_id - 2:06d}"
         if previous.exists():  # vLLM has loaded it long ago; keep only the last two folders
             shutil.rmtree(previous, ignore_errors=True)

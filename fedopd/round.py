@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def derive_seed(*parts: int) -> int:
 
 @dataclass
 class TrainOutput:
-    arrays: list[np.ndarray]
+    arrays: dict[str, np.ndarray]
     optimizer_state: dict[str, np.ndarray]
     cache: ScoringCache
     metrics: dict[str, float]
@@ -67,7 +67,7 @@ class TrainOutput:
 
 def train_round(
     models: ClientModels,
-    theta: Sequence[np.ndarray],
+    theta: Mapping[str, np.ndarray],
     prompts: Sequence[Prompt],
     *,
     rollout: RolloutSettings,
@@ -131,8 +131,8 @@ def train_round(
 
 def score_round(
     models: ClientModels,
-    theta: Sequence[np.ndarray],
-    increment: Sequence[np.ndarray],
+    theta: Mapping[str, np.ndarray],
+    increment: Mapping[str, np.ndarray],
     scoring_cache: ScoringCache,
     multipliers: Sequence[float],
 ) -> tuple[list[float], list[float]]:

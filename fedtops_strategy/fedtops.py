@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg
 
-from fedopd.lora import apply_increment, increment
+from fedopd.lora import Named, apply_increment, from_record, increment
 from fedtops_strategy.screening import WEIGHT_KEY, ReplyScreening
 from fedtops_strategy.selection import feasible_indices, select_multiplier
 
@@ -88,9 +88,9 @@ class FedTOPS(ReplyScreening, FedAvg):
             return None, metrics
         record = self.records[server_round]
         theta = self.theta_arrays()
-        delta = increment(mean.to_numpy_ndarrays(), theta)
+        delta = increment(from_record(mean), theta)
         nodes = [c["node-id"] for c in record["clients"]]
-        scores = self.query_scores(server_round, list(mean.keys()), delta, nodes)
+        scores = self.query_scores(server_round, delta, nodes)
 
         record["candidates"] = list(self.candidates)
         record["scored-node-ids"] = [node for node, _, _, _ in scores]
@@ -121,15 +121,15 @@ class FedTOPS(ReplyScreening, FedAvg):
             multiplier = 1.0
         record["multiplier"] = multiplier
         new = apply_increment(theta, delta, multiplier)
-        return ArrayRecord({k: Array(a) for k, a in zip(mean.keys(), new)}), metrics
+        return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
 
     def query_scores(
-        self, server_round: int, keys: list[str], delta: list[np.ndarray], nodes: list[int]
+        self, server_round: int, delta: Named, nodes: list[int]
     ) -> list[tuple[int, list[float], list[float], float]]:
         """Send Δ and the candidates; return (node, Ĵ_i, K̂_i, weight) of every valid answer."""
         content = RecordDict(
             {
-                "increment": ArrayRecord({k: Array(d) for k, d in zip(keys, delta)}),
+                "increment": ArrayRecord({k: Array(d) for k, d in delta.items()}),
                 "config": ConfigRecord({"candidates": list(self.candidates), "server-round": server_round}),
             }
         )
@@ -148,8 +148,30 @@ class FedTOPS(ReplyScreening, FedAvg):
         return sorted(answers, key=lambda a: order.get(a[0], len(order)))
 
 
+# A KL is never negative, but two numerically identical distributions can give -1e-9 in fp32.
+# Values down to -SCORE_NEGATIVE_TOL are rounding and are clamped to 0; below that a reply is wrong.
+SCORE_NEGATIVE_TOL = 1e-6
+
+
+def clamp_scores(values: Sequence[float]) -> tuple[list[float] | None, str | None]:
+    """(values clamped at 0, None), or (None, the problem) for NaN, ±inf or a clearly negative value."""
+    out = []
+    for x in values:
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+            return None, f"score {x!r} is not a finite number"
+        if x < -SCORE_NEGATIVE_TOL:
+            return None, f"score {x!r} is negative beyond rounding (tolerance {SCORE_NEGATIVE_TOL:g}); a KL is >= 0"
+        out.append(max(float(x), 0.0))
+    return out, None
+
+
 def parse_score_reply(msg: Message, num_candidates: int):
-    """(problem, (teacher_scores, change_scores, weight)) of one score reply."""
+    """(problem, (teacher_scores, change_scores, weight)) of one score reply.
+
+    Scores are KL divergences: rounding-level negatives (>= -1e-6) are clamped to 0, so that a
+    client whose candidate equals its starting student is never dropped; NaN, ±inf and clearly
+    negative values make the reply invalid.
+    """
     if msg.has_error():
         return f"error reply: {msg.error.reason}", None
     records = list(msg.content.metric_records.values())
@@ -159,8 +181,12 @@ def parse_score_reply(msg: Message, num_candidates: int):
     j, k, w = m.get("teacher-scores"), m.get("change-scores"), m.get(WEIGHT_KEY)
     if not isinstance(j, list) or not isinstance(k, list) or len(j) != num_candidates or len(k) != num_candidates:
         return f"expected {num_candidates} teacher and change scores", None
-    if any(math.isnan(x) for x in list(j) + list(k)) or any(x < 0 for x in list(j) + list(k)):
-        return "scores must be non-negative numbers (KL divergences)", None
+    j, problem = clamp_scores(list(j))
+    if problem:
+        return f"teacher scores: {problem}", None
+    k, problem = clamp_scores(list(k))
+    if problem:
+        return f"change scores: {problem}", None
     if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
         return f"'{WEIGHT_KEY}' is {w!r}, expected a positive number", None
-    return None, ([float(x) for x in j], [float(x) for x in k], float(w))
+    return None, (j, k, float(w))

@@ -17,7 +17,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
-from fedopd.lora import check_compatible
+from fedopd.lora import Named, check_compatible, from_record
 
 WEIGHT_KEY = "num-examples"
 
@@ -33,7 +33,7 @@ def reply_problem(content, reference: ArrayRecord) -> str | None:
     if list(arrays.keys()) != list(reference.keys()):
         return "its array keys differ from the global adapter's"
     try:
-        problem = check_compatible(reference.to_numpy_ndarrays(), arrays.to_numpy_ndarrays())
+        problem = check_compatible(from_record(reference), from_record(arrays))
     except Exception as err:  # noqa: BLE001 - undecodable arrays are just another bad reply
         return f"its arrays cannot be decoded ({err})"
     if problem:
@@ -113,5 +113,6 @@ class ReplyScreening:
     def default_multiplier(self) -> float:
         return 1.0
 
-    def theta_arrays(self) -> list[np.ndarray]:
-        return self._theta.to_numpy_ndarrays()
+    def theta_arrays(self) -> Named:
+        """θ_t of the current round, as named fp32 arrays."""
+        return from_record(self._theta)

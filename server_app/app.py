@@ -14,6 +14,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedopd.config import ConfigError, RunConfig
+from fedopd.lora import from_record
 from fedopd.models import ModelLoadError, attach_lora, load_causal_lm, resolve_model_path
 from fedtops_strategy import make_strategy
 from server_app.run_folder import RunFolder, new_run_dir
@@ -22,14 +23,14 @@ app = ServerApp()
 
 
 def initial_adapter(cfg: RunConfig):
-    """(names, fp32 arrays, LoraConfig) of PEFT's default LoRA init drawn from ``seed``.
+    """(named fp32 arrays, LoraConfig) of PEFT's default LoRA init drawn from ``seed``.
 
     Loaded on CPU: the server only needs the adapter's shapes and initial values.
     """
     import torch
 
     student = attach_lora(load_causal_lm(cfg.model.student, dtype="float32", device=torch.device("cpu")), cfg.lora, cfg.seed)
-    return student.lora_names(), student.get_lora_arrays(), student.lora_config
+    return student.get_lora_arrays(), student.lora_config
 
 
 def round_summary(record: dict, num_rounds: int) -> str:
@@ -68,9 +69,9 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_server(grid: Grid, cfg: RunConfig) -> None:
     """The whole run for a validated config; returns after the last round is written."""
-    names, arrays, lora_config = initial_adapter(cfg)
+    arrays, lora_config = initial_adapter(cfg)
 
-    run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, names, lora_config)
+    run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config)
     log(INFO, "FedTOPS run folder: %s", run.path.resolve())
     run.save_adapter(0, arrays)
 
@@ -83,14 +84,14 @@ def run_server(grid: Grid, cfg: RunConfig) -> None:
             return None
         record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
         record["seconds"] = time.perf_counter() - strategy.round_started
-        run.save_adapter(server_round, global_arrays.to_numpy_ndarrays())
+        run.save_adapter(server_round, from_record(global_arrays))
         run.append_round(record)
         log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
         return None
 
     strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord({n: Array(a) for n, a in zip(names, arrays)}),
+        initial_arrays=ArrayRecord({n: Array(a) for n, a in arrays.items()}),
         num_rounds=cfg.num_server_rounds,
         train_config=ConfigRecord(),
         evaluate_fn=after_round,

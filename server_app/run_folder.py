@@ -9,7 +9,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -49,17 +49,16 @@ def new_run_dir(output_dir: str | Path, label: str) -> Path:
 class RunFolder:
     """Writes one run's files as the run goes."""
 
-    def __init__(self, path: Path, cfg: RunConfig, names: Sequence[str], lora_config) -> None:
+    def __init__(self, path: Path, cfg: RunConfig, lora_config) -> None:
         self.path = path
-        self.names = list(names)
         self.lora_config = lora_config
         (path / "config.json").write_text(json.dumps(cfg.to_run_config(), indent=2, sort_keys=True) + "\n")
 
     def adapter_dir(self, server_round: int) -> Path:
         return self.path / f"round-{server_round:03d}"
 
-    def save_adapter(self, server_round: int, arrays: Sequence[np.ndarray]) -> Path:
-        return save_adapter(self.adapter_dir(server_round), self.names, arrays, self.lora_config)
+    def save_adapter(self, server_round: int, arrays: Mapping[str, np.ndarray]) -> Path:
+        return save_adapter(self.adapter_dir(server_round), arrays, self.lora_config)
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.path / "rounds.jsonl", "a") as f:

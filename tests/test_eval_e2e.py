@@ -32,8 +32,8 @@ def workspace(tmp_path_factory):
     (root / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     student = attach_lora(load_causal_lm("builtin:tiny-student"), LoraSettings(), seed=3)
     rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(a.shape).astype(np.float32) * 0.1 for a in student.get_lora_arrays()]
-    save_adapter(root / "run" / "round-001", student.lora_names(), arrays, student.lora_config)
+    arrays = {n: rng.standard_normal(a.shape).astype(np.float32) * 0.1 for n, a in student.get_lora_arrays().items()}
+    save_adapter(root / "run" / "round-001", arrays, student.lora_config)
     # A run folder for the selection figures.
     rounds = [
         {"round": t, "strategy": "fedtops", "multiplier": a, "candidates": [0.5, 1.0, 2.0],

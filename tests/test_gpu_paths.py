@@ -39,9 +39,9 @@ def test_vllm_engine_serves_each_new_adapter_fresh():
     engine = make_rollout_engine("vllm", student, max_model_len=512, gpu_memory_utilization=0.3)
     prompts = [student.tokenizer("The capital of France is")["input_ids"]] * 4
     params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=1.0, seed=7)
-    zero = [np.zeros_like(a) for a in student.get_lora_arrays()]
+    zero = {n: np.zeros_like(a) for n, a in student.get_lora_arrays().items()}
     rng = np.random.default_rng(0)
-    big = [rng.standard_normal(a.shape).astype(np.float32) * 0.5 for a in zero]
+    big = {n: rng.standard_normal(a.shape).astype(np.float32) * 0.5 for n, a in zero.items()}
     engine.set_adapter(zero)
     first = engine.generate(prompts, params)
     engine.set_adapter(big)

@@ -1,41 +1,57 @@
 """LoRA factor arithmetic in wire coordinates (paper App. 'Coordinate-level meaning for LoRA')."""
 
 import numpy as np
+import pytest
 
-from fedopd.lora import apply_increment, check_compatible, increment, weighted_mean
+from fedopd.lora import apply_increment, check_compatible, from_record, increment
 
 
 def _arrays(seed):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((8, 5)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)]
+    return {
+        "l.lora_A.weight": rng.standard_normal((8, 5)).astype(np.float32),
+        "l.lora_B.weight": rng.standard_normal((5, 8)).astype(np.float32),
+    }
 
 
-def test_apply_increment_is_theta_plus_a_delta_per_factor():
-    theta, delta = _arrays(0), _arrays(1)
+def test_apply_increment_is_theta_plus_a_delta_per_named_factor():
+    theta = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([[0.5]], np.float32)}
+    delta = {"b": np.array([[0.25]], np.float32), "a": np.array([-1.0, 0.5], np.float32)}  # other order
     out = apply_increment(theta, delta, 3.0)
-    for t, d, o in zip(theta, delta, out):
-        assert o.dtype == np.float32
-        assert np.array_equal(o, t + np.float32(3.0) * d)
-    assert all(np.array_equal(t, o) for t, o in zip(theta, apply_increment(theta, delta, 0.0)))
+    assert list(out) == ["a", "b"]
+    assert out["a"].tolist() == [-2.0, 3.5] and out["b"].tolist() == [[1.25]]
+    assert all(o.dtype == np.float32 for o in out.values())
+    assert all(np.array_equal(theta[n], o) for n, o in apply_increment(theta, delta, 0.0).items())
 
 
-def test_increment_is_new_minus_old():
-    a, b = _arrays(2), _arrays(3)
-    assert all(np.array_equal(d, x - y) for d, x, y in zip(increment(a, b), a, b))
+def test_increment_is_new_minus_old_by_name():
+    old = {"a": np.array([1.0], np.float32), "b": np.array([4.0], np.float32)}
+    new = {"b": np.array([1.0], np.float32), "a": np.array([3.0], np.float32)}
+    d = increment(new, old)
+    assert d["a"].tolist() == [2.0] and d["b"].tolist() == [-3.0]
 
 
-def test_weighted_mean_uses_normalized_weights():
-    a = [np.full((2, 2), 1.0, np.float32)]
-    b = [np.full((2, 2), 4.0, np.float32)]
-    assert np.allclose(weighted_mean([a, b], [2, 1])[0], 2.0)
-    assert np.allclose(weighted_mean([a, b], [570, 570])[0], 2.5)
+def test_arithmetic_on_mismatched_names_is_refused():
+    with pytest.raises(ValueError, match="factor 'b' is missing"):
+        increment({"a": np.zeros(1)}, {"a": np.zeros(1), "b": np.zeros(1)})
+    with pytest.raises(ValueError, match="factor 'c' is not in the adapter"):
+        apply_increment({"a": np.zeros(1)}, {"a": np.zeros(1), "c": np.zeros(1)}, 1.0)
 
 
 def test_check_compatible_names_the_problem():
     ref = _arrays(0)
     assert check_compatible(ref, _arrays(1)) is None
-    assert "1 arrays, expected 2" in check_compatible(ref, ref[:1])
-    assert "shape (5, 8), expected (8, 5)" in check_compatible(ref, [ref[1], ref[1]])
-    bad = [ref[0].copy(), ref[1]]
-    bad[0][0, 0] = np.nan
-    assert "non-finite" in check_compatible(ref, bad)
+    assert "factor 'l.lora_B.weight' is missing" in check_compatible(ref, {"l.lora_A.weight": ref["l.lora_A.weight"]})
+    swapped = {"l.lora_A.weight": ref["l.lora_B.weight"], "l.lora_B.weight": ref["l.lora_A.weight"]}
+    assert "factor 'l.lora_A.weight' has shape (5, 8), expected (8, 5)" in check_compatible(ref, swapped)
+    bad = {k: v.copy() for k, v in ref.items()}
+    bad["l.lora_B.weight"][0, 0] = np.nan
+    assert "factor 'l.lora_B.weight' has non-finite values" in check_compatible(ref, bad)
+
+
+def test_from_record_keeps_names_and_order():
+    from flwr.app import Array, ArrayRecord
+
+    record = ArrayRecord({"z": Array(np.ones(2, np.float32)), "a": Array(np.zeros(3, np.float32))})
+    named = from_record(record)
+    assert list(named) == ["z", "a"] and named["z"].tolist() == [1.0, 1.0]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def _random_like(arrays, seed):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(a.shape).astype(np.float32) for a in arrays]
+    return {n: rng.standard_normal(a.shape).astype(np.float32) for n, a in arrays.items()}
 
 
 def test_lora_has_spec_rank_alpha_targets_and_peft_default_init(tiny_pair):
@@ -41,7 +41,10 @@ def test_initial_adapter_is_deterministic_in_the_seed_with_zero_b():
     a = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=5)[0]
     b = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=5)[0]
     c = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=lora, seed=6)[0]
-    for name, x, y, z in zip(a.lora_names(), a.get_lora_arrays(), b.get_lora_arrays(), c.get_lora_arrays()):
+    xs, ys, zs = a.get_lora_arrays(), b.get_lora_arrays(), c.get_lora_arrays()
+    assert list(xs) == a.lora_names()
+    for name in a.lora_names():
+        x, y, z = xs[name], ys[name], zs[name]
         assert np.array_equal(x, y)
         if "lora_B" in name:
             assert not x.any()
@@ -56,16 +59,53 @@ def test_lora_arrays_round_trip_bit_exact(tiny_pair):
     try:
         student.set_lora_arrays(values)
         back = student.get_lora_arrays()
-        assert all(b.dtype == np.float32 for b in back)
-        assert all(np.array_equal(v, b) for v, b in zip(values, back))
+        assert all(b.dtype == np.float32 for b in back.values())
+        assert all(np.array_equal(values[n], back[n]) for n in values)
     finally:
         student.set_lora_arrays(original)
 
 
-def test_lora_arrays_of_wrong_count_are_refused(tiny_pair):
+def test_lora_factors_are_applied_by_name_not_by_position(tiny_pair):
     student, _ = tiny_pair
-    with pytest.raises(ValueError, match="got 1 LoRA arrays"):
-        student.set_lora_arrays(student.get_lora_arrays()[:1])
+    original = student.get_lora_arrays()
+    names = student.lora_names()
+    # Two A factors of the same shape: q_proj's and k_proj's... find a pair that shares a shape.
+    shapes = {}
+    for n in names:
+        shapes.setdefault(original[n].shape, []).append(n)
+    first, second = next(v for v in shapes.values() if len(v) >= 2)[:2]
+    values = {n: np.zeros_like(a) for n, a in original.items()}
+    values[first] = np.full_like(original[first], 1.0)
+    values[second] = np.full_like(original[second], 2.0)
+    reordered = {second: values[second], first: values[first], **{n: values[n] for n in names}}
+    try:
+        student.set_lora_arrays(reordered)  # a different order, the same names
+        back = student.get_lora_arrays()
+        assert np.all(back[first] == 1.0) and np.all(back[second] == 2.0)
+    finally:
+        student.set_lora_arrays(original)
+
+
+def test_lora_arrays_whose_names_do_not_match_are_refused_naming_the_first_mismatch(tiny_pair):
+    student, _ = tiny_pair
+    original = student.get_lora_arrays()
+    names = list(original)
+    missing = {n: a for n, a in original.items() if n != names[3]}
+    with pytest.raises(ValueError, match=f"factor '{names[3]}' is missing"):
+        student.set_lora_arrays(missing)
+    renamed = {("x." + n if n == names[5] else n): a for n, a in original.items()}
+    with pytest.raises(ValueError, match=f"factor '{names[5]}' is missing"):
+        student.set_lora_arrays(renamed)
+    extra = {**original, "model.extra.lora_A.weight": original[names[0]]}
+    with pytest.raises(ValueError, match="factor 'model.extra.lora_A.weight' is not in the adapter"):
+        student.set_lora_arrays(extra)
+    wrong_shape = {**original, names[2]: original[names[2]].T.copy()}
+    if original[names[2]].shape != original[names[2]].T.shape:
+        with pytest.raises(ValueError, match=f"LoRA factor '{names[2]}' has shape"):
+            student.set_lora_arrays(wrong_shape)
+    with pytest.raises(TypeError, match="given by name"):
+        student.set_lora_arrays(list(original.values()))
+    assert all(np.array_equal(original[n], a) for n, a in student.get_lora_arrays().items())  # untouched
 
 
 def test_adapter_folder_round_trips_through_peft(tiny_pair, tmp_path):
@@ -75,13 +115,14 @@ def test_adapter_folder_round_trips_through_peft(tiny_pair, tmp_path):
     student, _ = tiny_pair
     names = student.lora_names()
     values = _random_like(student.get_lora_arrays(), 2)
-    save_adapter(tmp_path / "ours", names, values, student.lora_config)
+    save_adapter(tmp_path / "ours", values, student.lora_config)
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-student"))
     peft_model = PeftModel.from_pretrained(base, str(tmp_path / "ours"))
     peft_model.save_pretrained(str(tmp_path / "peft"))
-    _, loaded = load_adapter(tmp_path / "peft", names)
-    assert all(np.array_equal(v, b) for v, b in zip(values, loaded))
+    loaded = load_adapter(tmp_path / "peft", names)
+    assert list(loaded) == names
+    assert all(np.array_equal(values[n], loaded[n]) for n in names)
 
 
 def test_hidden_states_and_head_reproduce_the_full_forward(tiny_pair):
