@@ -1,6 +1,9 @@
 """The Hugging Face rollout engine and its request contract."""
 
+import copy
+
 import pytest
+import torch
 
 from fedopd.rollout import HFRolloutEngine, SamplingParams, make_rollout_engine, split_response
 
@@ -41,3 +44,36 @@ def test_hf_engine_is_deterministic_in_the_seed(tiny_pair):
 def test_unknown_backend_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="rollout.backend = 'tpu'; allowed"):
         make_rollout_engine("tpu", tiny_pair[0])
+
+
+def test_hf_sampling_applies_exactly_temperature_then_top_p(tiny_pair, monkeypatch):
+    """The processed scores of every sampling step equal the raw logits warped by hand:
+    divide by T, then keep the smallest set of tokens whose probability reaches top-p (no top-k,
+    no repetition penalty, nothing else)."""
+    student, _ = tiny_pair
+    temperature, top_p = 0.7, 0.9
+    real_generate = student.model.generate
+    outputs = []
+
+    def spy(**kwargs):
+        config = copy.deepcopy(kwargs.pop("generation_config"))
+        config.output_scores = config.output_logits = config.return_dict_in_generate = True
+        out = real_generate(**kwargs, generation_config=config)
+        outputs.append(out)
+        return out.sequences
+
+    monkeypatch.setattr(student.model, "generate", spy)
+    HFRolloutEngine(student).generate([[258, 70, 71], [258, 80]], SamplingParams(6, temperature, top_p, seed=2))
+    (out,) = outputs
+    kept_counts = []
+    for raw, processed in zip(out.logits, out.scores):
+        scaled = raw.double() / temperature
+        probs = torch.softmax(scaled, -1)
+        order = torch.argsort(probs, dim=-1, descending=True)
+        before = torch.cumsum(probs.gather(-1, order), -1) - probs.gather(-1, order)  # mass ranked above
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < top_p)
+        expected = scaled.masked_fill(~keep, float("-inf"))
+        assert torch.equal(torch.isinf(processed), ~keep)
+        assert torch.allclose(processed.double()[keep], expected[keep], atol=1e-5)
+        kept_counts += keep.sum(-1).tolist()
+    assert min(kept_counts) > 50  # so a top-k of 50 (transformers' default) would have shown

@@ -72,3 +72,22 @@ def test_mismatched_lengths_are_refused():
         select_multiplier(CANDIDATES, [0.1] * 6, _k([0.0] * 6, [0.0] * 2), 0.05)
     with pytest.raises(ValueError, match="no client change scores"):
         select_multiplier(CANDIDATES, [0.1] * 6, [], 0.05)
+
+
+def test_fedavg_is_the_incumbent_even_when_an_earlier_candidate_ties_with_it():
+    # 0.5 comes first in the scan and ties with a = 1 exactly: a = 1 stays (Algorithm 1).
+    assert select_multiplier(CANDIDATES, [0.3, 0.3, 0.4, 0.4, 0.4, 0.4], _k([0.0] * 6), 0.05) == 1.0
+    # ... and a candidate before 1 replaces it only when better by more than the tolerance.
+    assert select_multiplier(CANDIDATES, [0.3 - 2e-9, 0.3, 0.4, 0.4, 0.4, 0.4], _k([0.0] * 6), 0.05) == 0.5
+
+
+def test_feasibility_is_per_client_not_on_the_average_change():
+    # Candidate 10: mean change 0.04 <= 0.05, but client 0's 0.07 > 0.05: infeasible.
+    j = [0.5, 0.4, 0.3, 0.3, 0.3, 0.1]
+    k = _k([0.0, 0.0, 0.0, 0.0, 0.0, 0.07], [0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
+    assert select_multiplier(CANDIDATES, j, k, 0.05) == 2.0
+
+
+def test_hold_returns_exactly_zero_when_only_a_tolerance_beyond_the_budget():
+    k = _k([0.05 + 2e-8] * 6)
+    assert select_multiplier(CANDIDATES, [0.1] * 6, k, 0.05) == 0.0

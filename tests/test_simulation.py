@@ -113,3 +113,22 @@ def test_adapters_of_every_round_load_with_peft(runs):
     assert len(state) == len(arrays)
     first = load_adapter(folder / "round-000")
     assert any(not np.array_equal(first[n], arrays[n]) for n in arrays)  # training moved the adapter
+
+
+def test_saved_global_adapters_are_theta_plus_the_applied_multiplier_times_the_fedavg_increment(runs):
+    """Round 1 starts every run from the same θ_0 with the same seeds, so the clients' updates and
+    Δ_1 = (FedAvg's round-001) − θ_0 are the same in all three runs; the saved adapters must be
+    θ_0 + aΔ_1 with a = 3 (fixed) and a = the recorded a_1 (FedTOPS)."""
+    from fedopd.models import load_adapter
+
+    theta0 = load_adapter(runs["fedavg"][0] / "round-000")
+    fedavg1 = load_adapter(runs["fedavg"][0] / "round-001")
+    delta = {n: fedavg1[n] - theta0[n] for n in theta0}
+    assert max(np.abs(d).max() for d in delta.values()) > 1e-4
+    a_fedtops = runs["fedtops"][1][0]["multiplier"]
+    assert a_fedtops not in (0.0, 1.0)  # otherwise this test could not tell "applied" from "ignored"
+    for name, a in (("fixed", 3.0), ("fedtops", a_fedtops)):
+        assert all(np.array_equal(theta0[n], a0) for n, a0 in load_adapter(runs[name][0] / "round-000").items())
+        saved = load_adapter(runs[name][0] / "round-001")
+        for n in theta0:
+            np.testing.assert_allclose(saved[n], theta0[n] + a * delta[n], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {n}")

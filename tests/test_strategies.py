@@ -125,6 +125,53 @@ def test_fedtops_holds_when_no_candidate_is_feasible():
     assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
 
 
+def test_teacher_score_is_the_num_examples_weighted_mean_over_clients():
+    # Client weights 1 and 3. Unweighted, candidate 2 would win (0.30 vs 0.325 for a = 3);
+    # weighted, a = 3 wins (0.2875 vs 0.3).
+    scores = {
+        1: ([0.5, 0.5, 0.3, 0.4, 0.9, 0.9], [0.0] * 6),
+        2: ([0.5, 0.5, 0.3, 0.25, 0.9, 0.9], [0.0] * 6),
+    }
+    weights = {1: 1, 2: 3}
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, weights, scores))
+    record = strategy.records[1]
+    assert record["teacher_scores"] == pytest.approx([0.5, 0.5, 0.3, 0.2875, 0.9, 0.9], abs=1e-12)
+    assert record["multiplier"] == 3.0
+
+
+def test_a_score_a_rounding_error_below_zero_is_clamped_and_the_client_kept():
+    scores = {
+        1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [-1e-9, 0.01, 0.02, 0.03, 0.2, 0.3]),
+        2: ([0.5, 0.4, 0.3, 0.2, 0.1, -3e-9], [-2e-9, 0.01, 0.02, 0.03, 0.04, 0.3]),
+    }
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = strategy.records[1]
+    assert record["excluded"] == [] and record["scored-node-ids"] == [1, 2]
+    assert record["change_scores"][0][0] == 0.0 and record["change_scores"][1][0] == 0.0
+    assert record["client_teacher_scores"][1][5] == 0.0
+    assert record["multiplier"] == 3.0 and not record["fallback"]  # client 1's constraint still binds at 5
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [(-1e-3, "negative beyond rounding"), (float("nan"), "not a finite number"),
+     (float("inf"), "not a finite number"), (float("-inf"), "not a finite number")],
+)
+def test_a_clearly_negative_or_non_finite_score_invalidates_that_reply(bad, reason):
+    scores = {
+        1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3]),
+        2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, bad, 0.01]),
+    }
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = strategy.records[1]
+    assert record["scored-node-ids"] == [1]
+    assert [e["node-id"] for e in record["excluded"]] == [2] and reason in record["excluded"][0]["reason"]
+    assert record["multiplier"] == 5.0  # selected over client 1 alone
+
+
 def test_fixed_multiplier_three_applies_exactly_three_delta():
     strategy = FixedMultiplier(3.0, **_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))

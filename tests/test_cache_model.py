@@ -1,0 +1,113 @@
+"""The scoring cache on the tiny models, against direct forwards (SPEC §2 step 2.3; paper App. cache).
+
+Every reference here is a plain transformers forward of the (PEFT-wrapped) model on one unpadded
+prefix, with softmax, top-k and coarsening written out in float64 in the test.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fedopd.cache import build_scoring_cache
+from fedopd.config import CacheSettings
+from fedopd.rollout import Rollouts
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[258, 70, 71, 72, 73], [258, 80, 81]]
+RESPONSES = [[60, 61, 62, 63, 64, 65, 66], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101]]
+# cache.positions = 4 evenly spaced response tokens: of 7 -> 0, 2, 4, 6; of 12 -> 0, 4, 7, 11.
+RESPONSE_TOKENS = [(0, 0), (0, 2), (0, 4), (0, 6), (1, 0), (1, 4), (1, 7), (1, 11)]
+SETTINGS = CacheSettings(rollouts=2, positions=4, top_k=3)
+
+
+@pytest.fixture()
+def lora_student(tiny_pair):
+    """The tiny student with random non-zero LoRA factors (so the adapter matters), restored after."""
+    student, teacher = tiny_pair
+    original = student.get_lora_arrays()
+    rng = np.random.default_rng(5)
+    student.set_lora_arrays({n: 0.2 * rng.standard_normal(a.shape).astype(np.float32) for n, a in original.items()})
+    yield student, teacher
+    student.set_lora_arrays(original)
+
+
+def _next_token_probs(lm, tokens):
+    """float64 softmax of the model's logits after ``tokens`` (one unpadded sequence)."""
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    return torch.softmax(logits.double()[: lm.logit_width], -1)
+
+
+def _coarse(probs, ids):
+    kept = [probs[i].item() if i >= 0 else 0.0 for i in ids]
+    return kept + [1.0 - sum(kept)]
+
+
+@pytest.fixture()
+def cache_and_refs(lora_student):
+    student, teacher = lora_student
+    rollouts = Rollouts(PROMPTS, RESPONSES, [False, False])
+    cache = build_scoring_cache(student, teacher, rollouts, SETTINGS, seed=0)
+    refs = []
+    for r, j in RESPONSE_TOKENS:
+        prefix = PROMPTS[r] + RESPONSES[r][:j]  # the distribution that predicts response token j
+        refs.append((_next_token_probs(teacher, prefix), _next_token_probs(student, prefix)))
+    return cache, refs
+
+
+def test_cached_row_j_is_the_distribution_after_the_prompt_and_j_response_tokens(cache_and_refs):
+    cache, refs = cache_and_refs
+    assert cache.num_positions == len(RESPONSE_TOKENS)
+    for row, (q, p) in enumerate(refs):
+        ids = cache.token_ids[row].tolist()
+        assert cache.teacher[row] == pytest.approx(_coarse(q, ids), abs=2e-6), f"teacher row {row}"
+        assert cache.student[row] == pytest.approx(_coarse(p, ids), abs=2e-6), f"student row {row}"
+
+
+def test_retained_set_is_the_union_of_teacher_and_starting_student_top_k(cache_and_refs):
+    cache, refs = cache_and_refs
+    differ = 0
+    for row, (q, p) in enumerate(refs):
+        teacher_top = set(torch.topk(q, 3).indices.tolist())
+        student_top = set(torch.topk(p, 3).indices.tolist())
+        ids = cache.token_ids[row].tolist()
+        assert {i for i in ids if i >= 0} == teacher_top | student_top
+        assert sum(i >= 0 for i in ids) == len(teacher_top | student_top)  # each id once, rest padding
+        differ += teacher_top != student_top
+    assert differ > 0  # the two top-k sets differ somewhere, so the union is not one of them
+
+
+def test_cached_tail_is_one_minus_the_full_softmax_mass_on_s_not_renormalized(cache_and_refs):
+    cache, refs = cache_and_refs
+    for row, (q, _) in enumerate(refs):
+        ids = [i for i in cache.token_ids[row].tolist() if i >= 0]
+        assert cache.teacher[row, -1] == pytest.approx(1.0 - q[ids].sum().item(), abs=2e-6)
+        assert cache.teacher[row, -1] > 1e-3  # a real tail: renormalizing S would have dropped it
+
+
+def test_cached_probabilities_of_a_bf16_model_come_from_fp32_logits():
+    from fedopd.config import LoraSettings
+    from fedopd.models import attach_lora, load_causal_lm
+
+    student = attach_lora(load_causal_lm("builtin:tiny-student", dtype="bfloat16"), LoraSettings(), seed=0)
+    teacher = load_causal_lm("builtin:tiny-teacher", dtype="bfloat16")
+    rollouts = Rollouts([PROMPTS[0]], [RESPONSES[0]], [False])
+    cache = build_scoring_cache(student, teacher, rollouts, dataclasses.replace(SETTINGS, rollouts=1), seed=0)
+
+    seq = torch.tensor([PROMPTS[0] + RESPONSES[0][:-1]])  # up to the last cached prefix
+    with torch.no_grad():
+        hidden = student.causal_lm.model(input_ids=seq).last_hidden_state[0]  # bf16 body
+    weight = student.causal_lm.get_output_embeddings().weight
+    fp32_head = torch.softmax(hidden.double() @ weight.double().T, -1)  # the head in high precision
+    bf16_head = torch.softmax((hidden @ weight.T).double(), -1)  # bf16 logits, upcast afterwards
+    prompt_len = len(PROMPTS[0])
+    max_bf16_error = 0.0
+    for row, j in enumerate([0, 2, 4, 6]):
+        ids = cache.token_ids[row].tolist()
+        at = prompt_len - 1 + j
+        assert cache.student[row] == pytest.approx(_coarse(fp32_head[at], ids), abs=1e-6)
+        max_bf16_error = max(max_bf16_error, np.abs(cache.student[row] - _coarse(bf16_head[at], ids)).max())
+    assert max_bf16_error > 1e-5  # bf16 logits would have been told apart at this tolerance
