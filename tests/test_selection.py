@@ -91,3 +91,40 @@ def test_feasibility_is_per_client_not_on_the_average_change():
 def test_hold_returns_exactly_zero_when_only_a_tolerance_beyond_the_budget():
     k = _k([0.05 + 2e-8] * 6)
     assert select_multiplier(CANDIDATES, [0.1] * 6, k, 0.05) == 0.0
+
+
+def test_a_single_candidate_is_a_valid_candidate_set():
+    assert select_multiplier([1.0], [0.2], _k([0.01]), 0.05) == 1.0
+    assert select_multiplier([3.0], [0.2], _k([0.01]), 0.05) == 3.0
+    with pytest.raises(ValueError, match="no candidates"):
+        select_multiplier([], [], _k([]), 0.05)
+
+
+def test_a_change_equal_to_the_budget_is_feasible_and_the_tolerance_is_the_callers():
+    assert select_multiplier([1.0, 2.0], [0.3, 0.2], _k([0.0, 0.05]), 0.05, feasibility_tol=0.0) == 2.0
+    # 5e-9 over the budget: feasible with the default 1e-8 tolerance, not with tolerance 0.
+    assert select_multiplier([1.0, 2.0], [0.3, 0.2], _k([0.0, 0.05 + 5e-9]), 0.05) == 2.0
+    assert select_multiplier([1.0, 2.0], [0.3, 0.2], _k([0.0, 0.05 + 5e-9]), 0.05, feasibility_tol=0.0) == 1.0
+
+
+def test_feasible_indices_default_tolerance_is_1e_8():
+    from fedtops_strategy.selection import feasible_indices
+
+    assert feasible_indices([[0.05 + 5e-9]], 0.05, 1) == [0]
+    assert feasible_indices([[0.05 + 2e-8]], 0.05, 1) == []
+
+
+def test_a_score_lower_by_exactly_the_tolerance_is_still_a_tie():
+    j = [0.9, 0.5, 0.5 - 1e-9, 0.9, 0.9, 0.9]
+    assert select_multiplier(CANDIDATES, j, _k([0.0] * 6), 0.05) == 1.0
+    assert select_multiplier(CANDIDATES, j, _k([0.0] * 6), 0.05, score_tol=0.0) == 2.0
+
+
+def test_when_fedavg_is_infeasible_the_first_feasible_candidate_wins_a_tie_for_the_minimum():
+    k = _k([0.0, 0.2, 0.0, 0.0, 0.0, 0.0])  # a = 1 infeasible
+    assert select_multiplier(CANDIDATES, [0.2, 0.1, 0.2, 0.3, 0.3, 0.3], k, 0.05) == 0.5
+
+
+def test_a_nan_teacher_score_for_fedavg_loses_to_any_finite_score():
+    j = [0.5, math.nan, 0.4, 0.6, 0.7, 0.8]
+    assert select_multiplier(CANDIDATES, j, _k([0.0] * 6), 0.05) == 2.0

@@ -29,14 +29,15 @@ def _record(arrays):
 class FakeGrid:
     """Answers train messages with ``updates[node]`` and score queries with ``scores[node]``."""
 
-    def __init__(self, updates, weights, scores=None):
+    def __init__(self, updates, weights, scores=None, reverse=False):
         self.updates, self.weights, self.scores = updates, weights, scores or {}
-        self.sent = []
+        self.sent, self.timeouts, self.reverse = [], [], reverse
 
     def get_node_ids(self):
         return list(self.updates)
 
     def send_and_receive(self, messages, *, timeout=None):
+        self.timeouts.append((sorted({m.metadata.message_type for m in messages}), timeout))
         replies = []
         for msg in messages:
             self.sent.append(msg)
@@ -56,7 +57,7 @@ class FakeGrid:
                 message_type=msg.metadata.message_type,
             )
             replies.append(Message(content=content, metadata=meta))
-        return replies
+        return replies[::-1] if self.reverse else replies
 
 
 def _run(strategy, grid, rounds=1):
@@ -85,7 +86,7 @@ def test_fedtops_applies_theta_plus_selected_multiplier_times_weighted_delta():
     for n, t, d in zip(new, THETA, DELTA):
         assert np.array_equal(n, t + np.float32(3.0) * d)
     record = strategy.records[1]
-    assert record["multiplier"] == 3.0 and not record["fallback"]
+    assert record["multiplier"] == 3.0 and record["fallback"] is False
     assert record["candidates"] == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
     assert record["teacher_scores"] == pytest.approx([0.5, 0.4, 0.3, 0.2375, 0.1, 0.0])  # weights 1/4, 3/4
     assert record["change_scores"] == [scores[1][1], scores[2][1]]
@@ -98,8 +99,10 @@ def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained
     _run(FedTOPS(**_common(2)), grid)
     queries = [m for m in grid.sent if m.metadata.message_type == "query.score"]
     assert sorted(m.metadata.dst_node_id for m in queries) == [1, 2]
-    sent_delta = queries[0].content["increment"].to_numpy_ndarrays()
-    assert all(np.array_equal(s, d) for s, d in zip(sent_delta, DELTA))
+    sent_delta = {k: v.numpy() for k, v in queries[0].content["increment"].items()}
+    assert list(sent_delta) == KEYS
+    assert all(np.array_equal(sent_delta[k], d) for k, d in zip(KEYS, DELTA))
+    assert int(queries[0].content["config"]["server-round"]) == 1
     assert list(queries[0].content["config"]["candidates"]) == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
 
 
@@ -114,6 +117,7 @@ def test_fedtops_selects_over_the_clients_that_answered_and_falls_back_when_none
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={}))
     assert strategy.records[1]["fallback"] is True and strategy.records[1]["multiplier"] == 1.0
+    assert strategy.records[1]["teacher_scores"] is None
     assert all(np.array_equal(n, t + d) for n, t, d in zip(new, THETA, DELTA))
 
 
@@ -210,3 +214,71 @@ def test_factory_builds_each_strategy_from_the_config():
     assert isinstance(fixed, FixedMultiplier) and fixed.server_learning_rate == 3.0 and fixed.server_momentum == 0.0
     fedtops = make_strategy(StrategyConfig(name="fedtops", trust_budget=0.02, candidates=(1.0, 2.0)), num_clients=3)
     assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
+
+
+def test_score_query_waits_at_most_the_score_timeout():
+    grid = FakeGrid(UPDATES, WEIGHTS, {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)})
+    _run(FedTOPS(score_timeout=42.0, **_common(2)), grid)
+    assert (["query.score"], 42.0) in grid.timeouts
+
+
+def test_score_replies_are_recorded_in_node_order_whatever_order_they_arrive_in():
+    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6), 2: ([0.6, 0.4, 0.3, 0.2, 0.1, 0.0], [0.01] * 6)}
+    strategy = FedTOPS(**_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, reverse=True))
+    record = strategy.records[1]
+    assert record["scored-node-ids"] == [1, 2]
+    assert record["client_teacher_scores"] == [scores[1][0], scores[2][0]]
+    assert record["change_scores"] == [scores[1][1], scores[2][1]]
+
+
+@pytest.mark.parametrize(
+    "reply, reason",
+    [
+        (([0.5] * 6, [0.0] * 5), "expected 6 teacher and change scores"),
+        (([0.5] * 5, [0.0] * 6), "expected 6 teacher and change scores"),
+        ((0.5, [0.0] * 6), "expected 6 teacher and change scores"),
+    ],
+)
+def test_a_malformed_score_reply_is_left_out_even_when_it_arrives_first(reply, reason):
+    scores = {1: reply, 2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3])}
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = strategy.records[1]
+    assert record["scored-node-ids"] == [2]
+    assert [e["node-id"] for e in record["excluded"]] == [1] and reason in record["excluded"][0]["reason"]
+    assert record["multiplier"] == 5.0
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("inf"), float("nan")])
+def test_a_score_reply_without_a_positive_finite_weight_is_left_out(weight):
+    from fedtops_strategy.fedtops import parse_score_reply
+
+    content = RecordDict({"scores": MetricRecord({"teacher-scores": [0.1] * 2, "change-scores": [0.0] * 2, "num-examples": weight})})
+    meta = Metadata(run_id=1, message_id="x", src_node_id=3, dst_node_id=0, reply_to_message_id="", group_id="",
+                    created_at=0.0, ttl=60.0, message_type="query.score")
+    problem, parsed = parse_score_reply(Message(content=content, metadata=meta), 2)
+    assert parsed is None and "'num-examples'" in problem
+
+
+def test_fedtops_refuses_a_negative_or_non_finite_trust_budget_and_accepts_zero():
+    for bad in (-0.01, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="trust_budget must be a finite number >= 0"):
+            FedTOPS(trust_budget=bad, **_common(2))
+    assert FedTOPS(trust_budget=0.0, **_common(2)).trust_budget == 0.0
+    with pytest.raises(ValueError, match="at least one candidate"):
+        FedTOPS(candidates=(), **_common(2))
+
+
+def test_fedtops_passes_its_tolerances_to_the_selection_rule():
+    scores = {n: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.0, 0.05 + 5e-9, 0.06, 0.06, 0.06]) for n in (1, 2)}
+    strict = FedTOPS(trust_budget=0.05, feasibility_tol=0.0, **_common(2))
+    _run(strict, FakeGrid(UPDATES, WEIGHTS, scores))
+    assert strict.records[1]["multiplier"] == 1.0 and strict.records[1]["num-feasible"] == 2
+    default = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(default, FakeGrid(UPDATES, WEIGHTS, scores))
+    assert default.records[1]["multiplier"] == 2.0 and default.records[1]["num-feasible"] == 3
+    ties = {n: ([0.5, 0.4, 0.4 - 1e-10, 0.9, 0.9, 0.9], [0.0] * 6) for n in (1, 2)}
+    loose = FedTOPS(trust_budget=0.05, score_tol=0.0, **_common(2))
+    _run(loose, FakeGrid(UPDATES, WEIGHTS, ties))
+    assert loose.records[1]["multiplier"] == 2.0
