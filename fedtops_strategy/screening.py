@@ -13,7 +13,6 @@ import time
 from logging import WARNING
 from typing import Any, Iterable
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 

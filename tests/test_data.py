@@ -74,3 +74,14 @@ def test_round_loader_draws_each_prompt_once_per_epoch_and_reshuffles():
     assert stream[:10].tolist() != stream[10:].tolist()
     assert np.array_equal(round_indices(10, 3, 4, seed=1), rounds[2])
     assert not np.array_equal(round_indices(10, 1, 4, seed=2), rounds[0])
+
+
+@pytest.mark.parametrize("num_prompts, per_round", [(10, 4), (7, 3), (10, 7), (64, 32), (570, 32)])
+def test_a_round_that_straddles_an_epoch_boundary_never_holds_a_prompt_twice(num_prompts, per_round):
+    stream = []
+    for r in range(1, 40):
+        batch = round_indices(num_prompts, r, per_round, seed=3).tolist()
+        assert len(batch) == per_round and len(set(batch)) == per_round, f"round {r}: {batch}"
+        stream += batch
+    for e in range(len(stream) // num_prompts):  # and every epoch still visits each prompt once
+        assert sorted(stream[e * num_prompts : (e + 1) * num_prompts]) == list(range(num_prompts))

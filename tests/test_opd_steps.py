@@ -2,7 +2,6 @@
 state (SPEC §2 step 2.4). References are written out in the test (float64 or literal numbers).
 """
 
-import math
 
 import numpy as np
 import pytest

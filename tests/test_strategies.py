@@ -62,6 +62,7 @@ class FakeGrid:
 
 def _run(strategy, grid, rounds=1):
     result = strategy.start(grid=grid, initial_arrays=_record(THETA), num_rounds=rounds)
+    assert list(result.arrays.keys()) == KEYS  # so that comparisons over zip(...) cannot be vacuous
     return result.arrays.to_numpy_ndarrays()
 
 
