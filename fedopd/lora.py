@@ -23,9 +23,9 @@ def from_record(record: Mapping[str, Any]) -> Named:
 
 def name_mismatch(expected: Sequence[str], got: Sequence[str]) -> str | None:
     """The first difference between two ordered name lists, as a sentence, or None."""
-    expected, got = list(expected), list(got)
-    missing = [n for n in expected if n not in set(got)]
-    unexpected = [n for n in got if n not in set(expected)]
+    expected_set, got_set = set(expected), set(got)
+    missing = [n for n in expected if n not in got_set]
+    unexpected = [n for n in got if n not in expected_set]
     if missing:
         return f"factor '{missing[0]}' is missing ({len(missing)} missing in all)"
     if unexpected:
