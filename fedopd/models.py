@@ -150,15 +150,15 @@ class CausalLM:
         The names must be exactly the adapter's (:meth:`lora_names`); the first missing or
         unknown name, or a wrong shape, is an error that names the factor.
         """
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         if not isinstance(arrays, Mapping):
             raise TypeError(f"LoRA factors must be given by name (a mapping), got {type(arrays).__name__}")
-        names = self.lora_names()
+        current = {n: tuple(t.shape) for n, t in get_peft_model_state_dict(self.model).items()}
+        names = list(current)
         problem = name_mismatch(names, list(arrays))
         if problem:
             raise ValueError(f"LoRA arrays do not match the adapter of '{self.name}': {problem}")
-        current = self.lora_shapes()
         for n in names:
             if tuple(np.shape(arrays[n])) != current[n]:
                 raise ValueError(
@@ -169,11 +169,6 @@ class CausalLM:
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"LoRA arrays did not match the adapter: unexpected keys {unexpected[:3]}")
-
-    def lora_shapes(self) -> dict[str, tuple[int, ...]]:
-        from peft import get_peft_model_state_dict
-
-        return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(self.model).items()}
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -18,3 +18,14 @@ def tiny_pair():
     from fedopd.models import load_pair
 
     return load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=LoraSettings(), seed=0)
+
+
+@pytest.fixture()
+def task_identity():
+    """Messages take their sender from the process's task identity, set by Flower's runtime."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved

@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadat
 from client_app.app import OPTIMIZER, handle_train
 from fedopd.config import parse_run_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
 
 LR = 1e-2
 # 8 rollouts per round, mini-batch 4: 2 local steps per round; 2 rounds: 4 steps in the run.
@@ -21,14 +21,6 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def _context():

@@ -7,15 +7,7 @@ from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, Record
 from fedopd.config import StrategyConfig
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Messages take their sender from the process's task identity, set by Flower's runtime."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 THETA = [np.full((2, 3), 0.5, np.float32), np.full((3,), -1.0, np.float32)]
