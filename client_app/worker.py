@@ -11,8 +11,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 from fedopd.config import DataConfig, LoraSettings, ModelConfig, RunConfig
-from fedopd.data import MATH_CLIENT_GROUPS, Prompt, encode_prompts, load_math_rows, partition_math, tiny_arith_partition
+from fedopd.data import (
+    MATH_CLIENT_GROUPS,
+    Prompt,
+    encode_prompts,
+    load_math_rows,
+    partition_math,
+    tiny_arith_partition,
+)
 from fedopd.round import ClientModels, load_client_models
+from fedopd.sandbox import task as sandbox
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
 
@@ -43,22 +51,57 @@ def math_partitions(path: str, prompts_per_client: int, seed: int) -> tuple[tupl
 
 
 def partition_rows(data: DataConfig, partition_id: int, num_partitions: int, seed: int) -> list[dict]:
+    """The training rows of one client partition."""
+    if data.name == "sandbox":
+        return sandbox.client_partition(partition_id, num_partitions, data.prompts_per_client, seed)
     if data.name == "tiny-arith":
         return tiny_arith_partition(partition_id, num_partitions, data.prompts_per_client, seed)
     if data.name == "math":
         if num_partitions != len(MATH_CLIENT_GROUPS):
             raise ValueError(f"data.name = 'math' has {len(MATH_CLIENT_GROUPS)} subject-group clients; num-partitions is {num_partitions}")
         return list(math_partitions(data.path, data.prompts_per_client, seed)[partition_id])
-    raise ValueError(f"data.name = {data.name!r} has no loader; allowed: 'tiny-arith', 'math'")
+    raise ValueError(f"data.name = {data.name!r} has no loader; allowed: 'sandbox', 'tiny-arith', 'math'")
+
+
+def heldout_rows(data: DataConfig, partition_id: int, num_partitions: int, count: int) -> list[dict]:
+    """The held-out rows of one client: its skill, never among any client's training prompts."""
+    if data.name == "sandbox":
+        return sandbox.client_heldout(partition_id, num_partitions, count)
+    raise ValueError(f"data.name = {data.name!r} has no held-out problems; allowed: 'sandbox'")
+
+
+def _models(cfg: RunConfig) -> ClientModels:
+    r = cfg.rollout
+    max_len = cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization)
+
+
+def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int) -> tuple[Prompt, ...]:
+    key = (kind, cfg.data, cfg.eval.prompts_per_client, partition_id, num_partitions, cfg.seed, cfg.model.student)
+    if key not in _PROMPTS:
+        if kind == "train":
+            rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.seed)
+        else:
+            rows = heldout_rows(cfg.data, partition_id, num_partitions, cfg.eval.prompts_per_client)
+        source = f"{kind} prompts of client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"
+        _PROMPTS[key] = tuple(encode_prompts(models.student.tokenizer, rows, cfg.data.max_prompt_tokens, source=source))
+    return _PROMPTS[key]
 
 
 def setup(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[ClientModels, tuple[Prompt, ...]]:
-    """The worker's models and this client's tokenized prompts, each loaded once per process."""
-    r = cfg.rollout
-    models = worker_models(cfg.model, cfg.lora, r.backend, cfg.data.max_prompt_tokens + r.max_new_tokens, r.gpu_memory_utilization)
-    key = (cfg.data, partition_id, num_partitions, cfg.seed, cfg.model.student)
-    if key not in _PROMPTS:
-        rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.seed)
-        source = f"client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"
-        _PROMPTS[key] = tuple(encode_prompts(models.student.tokenizer, rows, cfg.data.max_prompt_tokens, source=source))
-    return models, _PROMPTS[key]
+    """The worker's models and this client's tokenized training prompts, loaded once per process.
+
+    Centralized (``strategy.name = 'centralized'``): the one learner holds the pooled prompts of
+    every partition, in partition order.
+    """
+    models = _models(cfg)
+    if cfg.strategy.name == "centralized":
+        pooled = sum((_encoded(cfg, models, "train", i, num_partitions) for i in range(num_partitions)), ())
+        return models, pooled
+    return models, _encoded(cfg, models, "train", partition_id, num_partitions)
+
+
+def setup_heldout(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[ClientModels, tuple[Prompt, ...]]:
+    """The worker's models and this client's tokenized held-out prompts."""
+    models = _models(cfg)
+    return models, _encoded(cfg, models, "heldout", partition_id, num_partitions)

@@ -133,7 +133,7 @@ def plot_run(run: Path, out: Path) -> list[Path]:
 
     from server_app.run_folder import read_rounds
 
-    rounds = read_rounds(run)
+    rounds = [r for r in read_rounds(run) if r["round"] > 0]  # round 0: the initial adapter's evaluation
     config = json.loads((run / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -28,20 +28,21 @@ class ConfigError(ValueError):
 
 
 BACKENDS = ("auto", "hf", "vllm")
-DATASETS = ("tiny-arith", "math")
+DATASETS = ("sandbox", "tiny-arith", "math")
+EVAL_DATASETS = ("sandbox",)  # with held-out problems per client
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
-STRATEGIES = ("fedavg", "fixed", "fedtops")
+STRATEGIES = ("fedavg", "fixed", "fedtops", "local", "centralized")
 
 
-# Defaults are the tiny preset, identical to [tool.flwr.app.config] in pyproject.toml (a test
-# keeps them equal); the paper's settings are presets in configs/.
+# Defaults are the sandbox preset, identical to [tool.flwr.app.config] in pyproject.toml (a test
+# keeps them equal); the tiny preset and the paper's settings are presets in configs/.
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    student: str = "builtin:tiny-student"
-    teacher: str = "builtin:tiny-teacher"
+    student: str = "builtin:sandbox-student"
+    teacher: str = "builtin:sandbox-teacher"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
     teacher_batch: int = 4  # sequences per teacher forward (memory beside the student and vLLM)
 
@@ -58,8 +59,8 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "tiny-arith"
-    prompts_per_client: int = 64
+    name: str = "sandbox"
+    prompts_per_client: int = 256
     max_prompt_tokens: int = 2048
     path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
 
@@ -68,7 +69,7 @@ class DataConfig:
 class RolloutSettings:
     backend: str = "auto"
     per_round: int = 32
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU
@@ -76,8 +77,8 @@ class RolloutSettings:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    lr: float = 2e-3
-    mini_batch: int = 8
+    lr: float = 3e-3
+    mini_batch: int = 4
     micro_batch: int = 4
     optimizer_state: str = "persistent"
     weight_decay: float = 0.01
@@ -92,7 +93,7 @@ class StrategyConfig:
     name: str = "fedtops"
     multiplier: float = 1.0
     candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
-    trust_budget: float = 0.01
+    trust_budget: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,24 @@ class CacheSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """Held-out evaluation inside the round (SPEC §2.6): greedy accuracy and Avg@k / Pass@k."""
+
+    every: int = 4  # 0 = never; else rounds 0, every, 2*every, ... and the last round
+    prompts_per_client: int = 32
+    samples: int = 8  # k of Avg@k and Pass@k
+    temperature: float = 1.0  # the paper's evaluation sampling
+    top_p: float = 0.8
+    max_new_tokens: int = 128
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    num_server_rounds: int = 5
+    num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
     seed: int = 42
     output_dir: str = "runs"
-    preset: str = "tiny"
+    preset: str = "sandbox"
     model: ModelConfig = ModelConfig()
     lora: LoraSettings = LoraSettings()
     data: DataConfig = DataConfig()
@@ -116,6 +129,7 @@ class RunConfig:
     train: TrainSettings = TrainSettings()
     strategy: StrategyConfig = StrategyConfig()
     cache: CacheSettings = CacheSettings()
+    eval: EvalSettings = EvalSettings()
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "RunConfig":
@@ -139,6 +153,20 @@ class RunConfig:
     def total_local_steps(self) -> int:
         """Optimizer steps one client takes over the whole run (the cosine schedule's length)."""
         return self.num_server_rounds * self.local_steps_per_round
+
+    def learner_budget(self, num_partitions: int) -> tuple[int, int, int]:
+        """(rollouts per round, optimizer steps per round, steps over the run) of one learner.
+
+        A client learns from its own ``rollout.per-round`` rollouts. The Centralized reference
+        (``strategy.name = 'centralized'``) is one learner on the pooled prompts of all
+        ``num_partitions`` clients with the same total rollouts per round and the same
+        mini-batch, so its sequential depth is the clients' combined steps (the paper: 3 x 32
+        rollouts per round, 600 consecutive steps over 50 rounds).
+        """
+        share = num_partitions if self.strategy.name == "centralized" else 1
+        per_round = self.rollout.per_round * share
+        steps = math.ceil(per_round / self.train.mini_batch)
+        return per_round, steps, steps * self.num_server_rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +241,12 @@ _key("strategy.trust-budget", "strategy.trust_budget", _float(0.0, strict=False)
 _key("cache.rollouts", "cache.rollouts", _int(1))
 _key("cache.positions", "cache.positions", _int(1))
 _key("cache.top-k", "cache.top_k", _int(1))
+_key("eval.every", "eval.every", _int(0))
+_key("eval.prompts-per-client", "eval.prompts_per_client", _int(1))
+_key("eval.samples", "eval.samples", _int(1))
+_key("eval.temperature", "eval.temperature", _float(0.0, strict=True))
+_key("eval.top-p", "eval.top_p", _float(0.0, strict=True, hi=1.0))
+_key("eval.max-new-tokens", "eval.max_new_tokens", _int(1))
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
@@ -318,6 +352,12 @@ def _check_cross(cfg: RunConfig) -> None:
         raise ConfigError(
             f"run config 'train.mini-batch' = {t.mini_batch} is not a multiple of "
             f"'train.micro-batch' = {t.micro_batch}; allowed: a mini-batch that the micro-batch divides"
+        )
+    if cfg.eval.every and cfg.data.name not in EVAL_DATASETS:
+        raise ConfigError(
+            f"run config 'eval.every' = {cfg.eval.every} needs held-out problems per client, which "
+            f"'data.name' = {cfg.data.name!r} does not have; allowed: 0 (evaluate with python -m eval.run), "
+            f"or data.name one of {', '.join(repr(d) for d in EVAL_DATASETS)}"
         )
     if cfg.cache.rollouts > cfg.rollout.per_round:
         raise ConfigError(

@@ -57,15 +57,27 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def resolve_model_path(name: str) -> str:
-    """A local folder, a hub id, or ``builtin:tiny-student`` / ``builtin:tiny-teacher``.
+BUILTIN_MODELS = ("builtin:sandbox-student", "builtin:sandbox-teacher", "builtin:tiny-student", "builtin:tiny-teacher")
 
-    Raises :class:`ModelLoadError` for a name that is none of these, before anything is loaded.
+
+def resolve_model_path(name: str) -> str:
+    """A local folder, a hub id, or a built-in model (:data:`BUILTIN_MODELS`).
+
+    ``builtin:sandbox-*`` are the trained sandbox models shipped in the package
+    (:mod:`fedopd.sandbox`); ``builtin:tiny-*`` are random tiny models built on first use
+    (:mod:`fedopd.tiny`). Raises :class:`ModelLoadError` for a name that is none of these,
+    before anything is loaded.
     """
     if name.startswith("builtin:"):
+        from fedopd.sandbox import SANDBOX_MODELS, sandbox_model_path
         from fedopd.tiny import builtin_model_path
 
-        return str(builtin_model_path(name.removeprefix("builtin:")))
+        short = name.removeprefix("builtin:")
+        if short in SANDBOX_MODELS:
+            return str(sandbox_model_path(short))
+        if f"builtin:{short}" not in BUILTIN_MODELS:
+            raise ModelLoadError(f"unknown built-in model '{name}'; allowed: {', '.join(BUILTIN_MODELS)}")
+        return str(builtin_model_path(short))
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -74,7 +86,7 @@ def resolve_model_path(name: str) -> str:
     if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
         raise ModelLoadError(
             f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', "
-            "or one of builtin:tiny-student, builtin:tiny-teacher"
+            f"or one of {', '.join(BUILTIN_MODELS)}"
         )
     return name
 

@@ -21,7 +21,7 @@ class SamplingParams:
     """Decoding settings of one generation request."""
 
     max_new_tokens: int
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
 
@@ -93,11 +93,12 @@ class HFRolloutEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
         from transformers import GenerationConfig
 
+        if params.temperature > 0:
+            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)  # top-k = -1
+        else:
+            sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy
         config = GenerationConfig(
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,  # no top-k truncation: the paper samples with top-k = -1
+            **sampling,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,

@@ -12,12 +12,12 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fedopd.cache import ScoringCache, build_scoring_cache, score_candidates
-from fedopd.config import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
+from fedopd.config import CacheSettings, EvalSettings, LoraSettings, RolloutSettings, TrainSettings
 from fedopd.data import Prompt, round_indices
 from fedopd.grading import is_correct
 from fedopd.models import CausalLM, load_pair
 from fedopd.opd import local_opd
-from fedopd.rollout import RolloutEngine, SamplingParams, make_rollout_engine
+from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams, make_rollout_engine
 
 
 @dataclass
@@ -61,7 +61,7 @@ def derive_seed(*parts: int) -> int:
 class TrainOutput:
     arrays: dict[str, np.ndarray]
     optimizer_state: dict[str, np.ndarray]
-    cache: ScoringCache
+    cache: ScoringCache | None
     metrics: dict[str, float]
 
 
@@ -79,27 +79,34 @@ def train_round(
     total_steps: int,
     optimizer_state: dict[str, np.ndarray] | None = None,
     teacher_batch: int | None = None,
+    build_cache: bool = True,
+    source: Mapping[str, np.ndarray] | None = None,
 ) -> TrainOutput:
     """A client's work in one round, from the global factors θ_t.
 
     ``seed`` is the client's seed (run seed and partition id); the prompt order, sampling and
-    cache choice derive from it and ``server_round``.
+    cache choice derive from it and ``server_round``. The scoring cache is built only when
+    ``build_cache`` (FedTOPS: the server will ask for candidate scores). ``source``: the adapter
+    that generates the rollouts when it is not θ_t itself (the rollout-source intervention,
+    ``python -m eval.source_swap``); on-policy training leaves it None.
     """
     if not prompts:
         raise ValueError("train_round: the client has no prompts")
     t0 = time.perf_counter()
-    models.rollout.set_adapter(theta)
-    models.student.set_lora_arrays(theta)
+    models.rollout.set_adapter(theta if source is None else source)
     batch = [prompts[i] for i in round_indices(len(prompts), server_round, rollout.per_round, seed)]
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, derive_seed(seed, server_round, 1))
     rollouts = models.rollout.generate([p.token_ids for p in batch], params)
+    models.student.set_lora_arrays(theta)  # after generation: the HF engine samples from this very model
     t1 = time.perf_counter()
 
     texts = models.student.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     accuracy = float(np.mean([is_correct(text, p.answer) for text, p in zip(texts, batch)]))
     t2 = time.perf_counter()
 
-    scoring_cache = build_scoring_cache(models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2))
+    scoring_cache = None
+    if build_cache:
+        scoring_cache = build_scoring_cache(models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2))
     t3 = time.perf_counter()
 
     result = local_opd(
@@ -119,13 +126,14 @@ def train_round(
         response_length=float(rollouts.response_lengths.mean()),
         cap_hit_rate=rollouts.cap_hit_rate,
         accuracy=accuracy,
-        cache_teacher_score=scoring_cache.teacher_score_at_start(),
         rollout_s=t1 - t0,
         grade_s=t2 - t1,
         cache_s=t3 - t2,
         opd_s=t4 - t3,
         total_s=t4 - t0,
     )
+    if scoring_cache is not None:
+        metrics["cache_teacher_score"] = scoring_cache.teacher_score_at_start()
     return TrainOutput(result.arrays, result.optimizer_state, scoring_cache, metrics)
 
 
@@ -138,3 +146,54 @@ def score_round(
 ) -> tuple[list[float], list[float]]:
     """Ĵ_i(a) and K̂_i(a) for each multiplier (only scalars leave this function)."""
     return score_candidates(models.student, scoring_cache, theta, increment, multipliers)
+
+
+def heldout_correctness(
+    models: ClientModels,
+    theta: Mapping[str, np.ndarray],
+    prompts: Sequence[Prompt],
+    settings: EvalSettings,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray, Rollouts]:
+    """Per-problem grades of the adapter ``theta``: greedy (n,), sampled (n, k), and the greedy rollouts.
+
+    Greedy decoding, then ``settings.samples`` responses per prompt at the paper's evaluation
+    sampling (temperature, top-p, seeded); graded by math-verify.
+    """
+    if not prompts:
+        raise ValueError("evaluate_heldout: the client has no held-out prompts")
+    k = settings.samples
+    models.rollout.set_adapter(theta)
+    ids = [p.token_ids for p in prompts]
+    greedy = models.rollout.generate(ids, SamplingParams(settings.max_new_tokens, temperature=0.0))
+    sampled = models.rollout.generate(
+        [p for p in ids for _ in range(k)], SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p, seed)
+    )
+    decode = models.student.tokenizer.batch_decode
+    greedy_ok = [is_correct(t, p.answer) for t, p in zip(decode(greedy.response_ids, skip_special_tokens=True), prompts)]
+    texts = decode(sampled.response_ids, skip_special_tokens=True)
+    correct = np.asarray([is_correct(t, prompts[i // k].answer) for i, t in enumerate(texts)], dtype=np.float64)
+    return np.asarray(greedy_ok, dtype=np.float64), correct.reshape(len(prompts), k), greedy
+
+
+def evaluate_heldout(
+    models: ClientModels,
+    theta: Mapping[str, np.ndarray],
+    prompts: Sequence[Prompt],
+    settings: EvalSettings,
+    seed: int,
+) -> dict[str, float]:
+    """Held-out metrics of the adapter ``theta`` (percent): greedy ``accuracy``, Avg@k and Pass@k."""
+    from eval.metrics import avg_at_k, pass_at_k
+
+    t0 = time.perf_counter()
+    greedy_ok, correct, greedy = heldout_correctness(models, theta, prompts, settings, seed)
+    k = settings.samples
+    return {
+        "accuracy": 100.0 * float(greedy_ok.mean()),
+        f"avg@{k}": avg_at_k(correct),
+        f"pass@{k}": pass_at_k(correct),
+        "response_length": float(greedy.response_lengths.mean()),
+        "cap_hit_rate": 100.0 * greedy.cap_hit_rate,
+        "eval_s": time.perf_counter() - t0,
+    }

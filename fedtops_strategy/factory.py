@@ -5,10 +5,12 @@ from __future__ import annotations
 from fedopd.config import StrategyConfig
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
+from fedtops_strategy.references import Centralized, LocalTraining
 
 
 def make_strategy(cfg: StrategyConfig, *, num_clients: int, timeout: float = 3600.0):
-    """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round."""
+    """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round
+    (Centralized: one learner, with all of them connected)."""
     common = dict(
         fraction_train=1.0,
         fraction_evaluate=0.0,  # no federated evaluation round: scoring is part of training
@@ -21,4 +23,8 @@ def make_strategy(cfg: StrategyConfig, *, num_clients: int, timeout: float = 360
         return FixedMultiplier(cfg.multiplier, **common)
     if cfg.name == "fedtops":
         return FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, score_timeout=timeout, **common)
-    raise ValueError(f"strategy.name = {cfg.name!r}; allowed: 'fedavg', 'fixed', 'fedtops'")
+    if cfg.name == "local":
+        return LocalTraining(**common)
+    if cfg.name == "centralized":
+        return Centralized(**common)
+    raise ValueError(f"strategy.name = {cfg.name!r}; allowed: 'fedavg', 'fixed', 'fedtops', 'local', 'centralized'")

@@ -112,6 +112,10 @@ class ReplyScreening:
     def default_multiplier(self) -> float:
         return 1.0
 
+    def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
+        """The adapter that node ``node_id`` evaluates: the global one (Local: its own)."""
+        return global_arrays
+
     def theta_arrays(self) -> Named:
         """θ_t of the current round, as named fp32 arrays."""
         return from_record(self._theta)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from logging import ERROR, INFO
+from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
@@ -17,6 +18,7 @@ from fedopd.config import ConfigError, RunConfig
 from fedopd.lora import from_record
 from fedopd.models import ModelLoadError, attach_lora, load_causal_lm, resolve_model_path
 from fedtops_strategy import make_strategy
+from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.run_folder import RunFolder, new_run_dir
 
 app = ServerApp()
@@ -33,8 +35,18 @@ def initial_adapter(cfg: RunConfig):
     return student.get_lora_arrays(), student.lora_config
 
 
+def evaluation_summary(evaluation: dict | None) -> str:
+    if not evaluation or "accuracy" not in evaluation:
+        return ""
+    sampled = " ".join(f"{k} {v:.1f}%" for k, v in evaluation.items() if k.startswith(("avg@", "pass@")))
+    label = "Local mean " if evaluation.get("aggregate") == "local-mean" else ""
+    return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
+
+
 def round_summary(record: dict, num_rounds: int) -> str:
     """One readable line per round for ``flwr run --stream``."""
+    if record["round"] == 0:
+        return f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
     a = record.get("multiplier")
     j = "-"
     if record.get("teacher_scores") and a in (record.get("candidates") or []):
@@ -50,9 +62,11 @@ def round_summary(record: dict, num_rounds: int) -> str:
         [" (fallback: no score replies)" if record.get("fallback") else "",
          f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
     )
+    a = "-" if a is None else f"{a:g}"
     return (
-        f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a:g} | J(a) = {j} | "
-        f"feasible {feasible} | client KL {kl} | {record.get('seconds', 0.0):.1f} s{flags}"
+        f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
+        f"feasible {feasible} | client KL {kl}{evaluation_summary(record.get('evaluation'))} | "
+        f"{record.get('seconds', 0.0):.1f} s{flags}"
     )
 
 
@@ -67,8 +81,8 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, cfg)
 
 
-def run_server(grid: Grid, cfg: RunConfig) -> None:
-    """The whole run for a validated config; returns after the last round is written."""
+def run_server(grid: Grid, cfg: RunConfig, timeout: float = 3600.0) -> Path:
+    """The whole run for a validated config; returns the run folder after the last round."""
     arrays, lora_config = initial_adapter(cfg)
 
     run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config)
@@ -77,16 +91,30 @@ def run_server(grid: Grid, cfg: RunConfig) -> None:
 
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, timeout=timeout)
+    local = cfg.strategy.name == "local"
 
     def after_round(server_round: int, global_arrays: ArrayRecord):
+        """Save the round's adapters, evaluate on the held-out prompts when due, write the record."""
         if server_round == 0:
-            return None
-        record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
-        record["seconds"] = time.perf_counter() - strategy.round_started
-        run.save_adapter(server_round, from_record(global_arrays))
-        run.append_round(record)
-        log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
+            record = {"round": 0, "strategy": cfg.strategy.name}
+        else:
+            record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
+            record["seconds"] = time.perf_counter() - strategy.round_started
+            if local:
+                for pid, named in strategy.client_adapters().items():
+                    run.save_adapter(server_round, named, client=pid)
+            else:
+                run.save_adapter(server_round, from_record(global_arrays))
+        if is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
+            started = time.perf_counter()
+            record["evaluation"] = evaluate_round(
+                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=local, timeout=timeout
+            )
+            record["eval_seconds"] = time.perf_counter() - started
+        if server_round > 0 or "evaluation" in record:
+            run.append_round(record)
+            log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
         return None
 
     strategy.start(
@@ -97,3 +125,4 @@ def run_server(grid: Grid, cfg: RunConfig) -> None:
         evaluate_fn=after_round,
     )
     log(INFO, "FedTOPS run finished: %s", run.path.resolve())
+    return run.path

@@ -54,11 +54,13 @@ class RunFolder:
         self.lora_config = lora_config
         (path / "config.json").write_text(json.dumps(cfg.to_run_config(), indent=2, sort_keys=True) + "\n")
 
-    def adapter_dir(self, server_round: int) -> Path:
-        return self.path / f"round-{server_round:03d}"
+    def adapter_dir(self, server_round: int, client: int | None = None) -> Path:
+        """``round-NNN/`` (global adapter) or ``round-NNN/client-<partition-id>/`` (Local)."""
+        path = self.path / f"round-{server_round:03d}"
+        return path if client is None else path / f"client-{client}"
 
-    def save_adapter(self, server_round: int, arrays: Mapping[str, np.ndarray]) -> Path:
-        return save_adapter(self.adapter_dir(server_round), arrays, self.lora_config)
+    def save_adapter(self, server_round: int, arrays: Mapping[str, np.ndarray], client: int | None = None) -> Path:
+        return save_adapter(self.adapter_dir(server_round, client), arrays, self.lora_config)
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.path / "rounds.jsonl", "a") as f:

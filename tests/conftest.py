@@ -2,6 +2,20 @@ import os
 
 import pytest
 
+# The random tiny models and tiny-arith prompts (configs/tiny.toml): fast tests of the machinery.
+TINY = {
+    "model.student": "builtin:tiny-student",
+    "model.teacher": "builtin:tiny-teacher",
+    "data.name": "tiny-arith",
+    "data.prompts-per-client": 64,
+    "rollout.max-new-tokens": 64,
+    "train.lr": 2e-3,
+    "train.mini-batch": 8,
+    "train.micro-batch": 4,
+    "num-server-rounds": 5,
+    "eval.every": 0,
+}
+
 
 def pytest_configure(config):
     # Tests build the tiny models into a cache of their own unless one is given.

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fedopd.config import RunConfig
+from conftest import TINY
+from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
 from fedopd.lora import increment
 from fedopd.rollout import HFRolloutEngine
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 def round_result(tiny_pair):
     student, teacher = tiny_pair
     models = ClientModels(student, teacher, HFRolloutEngine(student))
-    cfg = RunConfig()
+    cfg = parse_run_config(TINY)
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
     theta = student.get_lora_arrays()
     out = train_round(
@@ -85,7 +86,7 @@ def test_activation_checkpointing_leaves_the_update_unchanged(tiny_pair):
     results = []
     for checkpointing in (False, True):
         student.set_lora_arrays(theta)
-        settings = dataclasses.replace(RunConfig().train, gradient_checkpointing=checkpointing)
+        settings = dataclasses.replace(parse_run_config(TINY).train, gradient_checkpointing=checkpointing)
         results.append(local_opd(student, teacher, rollouts, settings, step_offset=0, total_steps=2))
     student.set_lora_arrays(theta)
     assert results[0].metrics["loss"] == pytest.approx(results[1].metrics["loss"], rel=1e-6)

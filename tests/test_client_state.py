@@ -9,6 +9,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
 from client_app.app import OPTIMIZER, handle_train
+from conftest import TINY
 from fedopd.config import parse_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
@@ -16,6 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
 LR = 1e-2
 # 8 rollouts per round, mini-batch 4: 2 local steps per round; 2 rounds: 4 steps in the run.
 OVERRIDES = {
+    **TINY,
     "num-server-rounds": 2, "data.prompts-per-client": 16, "rollout.per-round": 8, "rollout.max-new-tokens": 8,
     "rollout.backend": "hf", "train.lr": LR, "train.mini-batch": 4, "train.micro-batch": 2,
 }

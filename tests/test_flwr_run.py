@@ -59,15 +59,22 @@ def flwr(tmp_path_factory):
     _stop_local_superlink(home)
 
 
-def test_flwr_run_trains_the_tiny_preset_and_writes_the_run_folder(flwr, tmp_path):
-    done = flwr(f"output-dir='{tmp_path}' num-server-rounds=2 rollout.per-round=8 rollout.max-new-tokens=16")
+def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from_round_zero(flwr, tmp_path):
+    done = flwr(f"output-dir='{tmp_path}' num-server-rounds=2 rollout.per-round=8 eval.every=1 eval.prompts-per-client=8 eval.samples=2")
     log = done.stdout + done.stderr
     folders = list(tmp_path.iterdir())
     assert len(folders) == 1, log[-3000:]
     rounds = [json.loads(line) for line in (folders[0] / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(len(r["change_scores"]) == 3 for r in rounds)
+    assert [r["round"] for r in rounds] == [0, 1, 2]  # round 0: the initial adapter, evaluated
+    assert all(len(r["change_scores"]) == 3 for r in rounds[1:])
+    for r in rounds:
+        ev = r["evaluation"]
+        assert sorted(c["partition-id"] for c in ev["clients"]) == [0, 1, 2]
+        assert all(c["num-examples"] == 8 for c in ev["clients"])
+        assert ev["accuracy"] == pytest.approx(sum(c["accuracy"] for c in ev["clients"]) / 3)
+    assert rounds[0]["evaluation"]["accuracy"] > 0  # the trained sandbox student solves some problems
     assert (folders[0] / "round-002" / "adapter_model.safetensors").is_file()
+    assert "round 0/2 [fedtops] initial adapter | held-out greedy" in log
     assert "round 2/2 [fedtops] a = " in log
 
 

@@ -57,12 +57,13 @@ def test_vllm_engine_serves_each_new_adapter_fresh():
 
 @needs_cuda
 def test_client_round_on_cuda_with_the_hf_engine():
-    from fedopd.config import RunConfig
+    from conftest import TINY
+    from fedopd.config import parse_run_config
     from fedopd.data import encode_prompts, tiny_arith_partition
     from fedopd.lora import increment
     from fedopd.round import ClientModels, load_client_models, score_round, train_round
 
-    cfg = RunConfig()
+    cfg = parse_run_config(TINY)
     models = load_client_models(cfg.model.student, cfg.model.teacher, lora=cfg.lora, backend="hf", seed=0)
     assert models.student.device.type == "cuda" and models.student.dtype == torch.bfloat16
     models = ClientModels(models.student, models.teacher, HFRolloutEngine(models.student))

@@ -10,6 +10,8 @@ import json
 import numpy as np
 import pytest
 
+from conftest import TINY
+
 pytestmark = pytest.mark.slow
 
 STRATEGIES = {
@@ -55,6 +57,7 @@ def runs(tmp_path_factory):
     for name, strategy in STRATEGIES.items():
         root = tmp_path_factory.mktemp(name)
         overrides = {
+            **TINY,
             "num-server-rounds": 2,
             "output-dir": str(root),
             "data.prompts-per-client": 16,

@@ -5,20 +5,31 @@
   ``builtin:sandbox-teacher`` and ``builtin:sandbox-student`` from a seed.
 """
 
+import sys
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 SANDBOX_MODELS = ("sandbox-teacher", "sandbox-student")
+WEIGHTS = "model.safetensors"
 
 
 def sandbox_model_path(name: str) -> Path:
-    """The shipped folder of ``builtin:<name>`` (a ``save_pretrained`` folder in the package)."""
+    """The shipped folder of ``builtin:<name>`` (a ``save_pretrained`` folder in the package).
+
+    ``flwr run`` ships the app to its ClientApps as a FAB, and Flower's FAB format admits no
+    weight files (nor ``.jinja`` templates); there the folder next to this module holds only the
+    JSON files, so the complete folder is looked up in the installed ``fedtops`` package on
+    ``sys.path`` (the editable install's source tree, or site-packages).
+    """
     from fedopd.models import ModelLoadError
 
-    path = MODELS_DIR / name
-    if name not in SANDBOX_MODELS or not (path / "config.json").is_file():
-        raise ModelLoadError(
-            f"built-in model 'builtin:{name}' is not in {MODELS_DIR}; regenerate the sandbox models "
-            "with: python -m fedopd.sandbox.train"
-        )
-    return path
+    if name not in SANDBOX_MODELS:
+        raise ModelLoadError(f"unknown sandbox model 'builtin:{name}'; allowed: " + ", ".join(f"builtin:{n}" for n in SANDBOX_MODELS))
+    roots = [MODELS_DIR] + [Path(entry or ".") / "fedopd" / "sandbox" / "models" for entry in sys.path]
+    for root in roots:
+        if (root / name / WEIGHTS).is_file():
+            return root / name
+    raise ModelLoadError(
+        f"built-in model 'builtin:{name}' has no {WEIGHTS} in {MODELS_DIR} or in an installed fedtops package; "
+        "install the project on this host (pip install -e .) or regenerate the models with: python -m fedopd.sandbox.train"
+    )

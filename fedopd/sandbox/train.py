@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=MODELS_DIR, help="folder for sandbox-teacher/ and sandbox-student/")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--teacher-steps", type=int, default=1500)
-    p.add_argument("--student-steps", type=int, default=240)
+    p.add_argument("--student-steps", type=int, default=270)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems per group for the record")

@@ -1,0 +1,71 @@
+"""The paper's two reference methods as Flower strategies: Local and Centralized.
+
+* :class:`LocalTraining` (``strategy.name = 'local'``): every client trains its own adapter from
+  the shared initialisation for the whole run; nothing is averaged. The server keeps each
+  client's latest adapter and sends it back to that client only, so the clients stay stateless
+  about their adapter (as in deployment, where a fresh ClientApp serves each message). The run
+  reports the mean over clients of their own adapters' scores ("Local mean").
+* :class:`Centralized` (``strategy.name = 'centralized'``): one learner on the pooled prompts of
+  all clients, with the clients' combined rollouts per round and the same mini-batch (the
+  ClientApp side: :meth:`fedopd.config.RunConfig.learner_budget`). The server trains one node,
+  the one with the smallest node id, and takes its adapter as the global one (a = 1).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from fedopd.lora import Named, from_record
+from fedtops_strategy.screening import ReplyScreening
+
+
+class LocalTraining(ReplyScreening, FedAvg):
+    """Independent Local training: each client keeps its own adapter, nothing is averaged."""
+
+    strategy_name = "local"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.client_arrays: dict[int, ArrayRecord] = {}  # node id -> its latest adapter
+        self.partitions: dict[int, int] = {}  # node id -> partition id
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        return [self._own(m, arrays) for m in messages]
+
+    def _own(self, message: Message, initial: ArrayRecord) -> Message:
+        """The same message with the destination client's own adapter (the initial one at first)."""
+        node = message.metadata.dst_node_id
+        content = RecordDict({key: value for key, value in message.content.items()})
+        content[self.arrayrecord_key] = self.client_arrays.get(node, initial)
+        return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node,
+                       group_id=message.metadata.group_id)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        kept = self.screen_train_replies(server_round, replies)
+        for msg, client in zip(kept, self.records[server_round]["clients"]):
+            node = int(msg.metadata.src_node_id)
+            self.client_arrays[node] = next(iter(msg.content.array_records.values()))
+            self.partitions[node] = int(client.get("partition-id", node))
+        self.records[server_round]["multiplier"] = None
+        return None, None  # no global adapter: Flower keeps the initial one, which nobody uses
+
+    def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
+        return self.client_arrays.get(node_id, global_arrays)
+
+    def client_adapters(self) -> dict[int, Named]:
+        """Partition id -> that client's latest adapter (named fp32 arrays)."""
+        return {self.partitions[n]: from_record(a) for n, a in sorted(self.client_arrays.items())}
+
+
+class Centralized(ReplyScreening, FedAvg):
+    """One learner on the pooled prompts; its adapter becomes the global one."""
+
+    strategy_name = "centralized"
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        return sorted(messages, key=lambda m: m.metadata.dst_node_id)[:1]

@@ -1,0 +1,83 @@
+"""Held-out evaluation inside the round (SPEC §2.6): ask every client, aggregate, record.
+
+The server sends each connected client the adapter it should evaluate (the global one; Local:
+the client's own) in an ``evaluate`` message; clients answer with greedy accuracy, Avg@k and
+Pass@k on their held-out prompts. The aggregate is the num-examples-weighted mean over clients,
+for Local the plain mean over clients ("Local mean"). Per-client values are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from logging import WARNING
+from typing import Any, Callable, Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+
+from fedtops_strategy.screening import WEIGHT_KEY
+
+EVALUATE = "evaluate"
+
+
+def is_evaluation_round(server_round: int, every: int, num_rounds: int) -> bool:
+    """Rounds 0, every, 2·every, ... and the last round; never when ``every`` is 0."""
+    return every > 0 and (server_round % every == 0 or server_round == num_rounds)
+
+
+def aggregate_evaluation(clients: list[dict[str, Any]], *, weighted: bool) -> dict[str, float]:
+    """Mean of every metric the clients share, weighted by ``num-examples`` (or not: Local mean)."""
+    keys = [k for k in clients[0] if k not in (WEIGHT_KEY, "partition-id", "node-id") and all(k in c for c in clients)]
+    weights = [float(c[WEIGHT_KEY]) if weighted else 1.0 for c in clients]
+    total = sum(weights)
+    return {k: sum(w * float(c[k]) for w, c in zip(weights, clients)) / total for k in keys}
+
+
+def evaluate_round(
+    grid,
+    server_round: int,
+    arrays_for: Callable[[int], ArrayRecord],
+    *,
+    local_mean: bool,
+    timeout: float,
+) -> dict[str, Any] | None:
+    """Evaluate on every connected node; the round record's ``evaluation`` (None if no reply)."""
+    nodes = sorted(int(n) for n in grid.get_node_ids())
+    messages = [
+        Message(
+            content=RecordDict({"arrays": arrays_for(n), "config": ConfigRecord({"server-round": server_round})}),
+            message_type=EVALUATE,
+            dst_node_id=n,
+        )
+        for n in nodes
+    ]
+    clients, excluded = [], []
+    for msg in grid.send_and_receive(messages, timeout=timeout):
+        node = int(msg.metadata.src_node_id)
+        problem, metrics = _parse(msg)
+        if problem:
+            log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, node, problem)
+            excluded.append({"node-id": node, "reason": problem})
+            continue
+        clients.append({"node-id": node, **metrics})
+    if not clients:
+        return {"clients": [], "excluded": excluded} if excluded else None
+    clients.sort(key=lambda c: (c.get("partition-id", 0), c["node-id"]))
+    out: dict[str, Any] = aggregate_evaluation(clients, weighted=not local_mean)
+    out.update(aggregate="local-mean" if local_mean else "weighted", clients=clients, excluded=excluded)
+    return out
+
+
+def _parse(msg: Message) -> tuple[str | None, dict[str, Any]]:
+    if msg.has_error():
+        return f"error reply: {msg.error.reason}", {}
+    records: Iterable = list(msg.content.metric_records.values())
+    if len(records) != 1:
+        return "expected one MetricRecord", {}
+    metrics = dict(next(iter(records)).items())
+    weight = metrics.get(WEIGHT_KEY)
+    if "accuracy" not in metrics or not isinstance(weight, (int, float)) or weight <= 0:
+        return f"expected 'accuracy' and a positive '{WEIGHT_KEY}'", {}
+    if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values()):
+        return "a metric is not finite", {}
+    return None, metrics

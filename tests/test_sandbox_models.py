@@ -1,0 +1,41 @@
+"""The shipped sandbox models: a teacher that solves the task, a student that has much to learn."""
+
+import numpy as np
+import pytest
+
+from fedopd.sandbox import MODELS_DIR
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    from fedopd.sandbox.train import heldout_accuracy
+
+    # 12 held-out problems per group (36 in all): the first of those training.json scores
+    return {name: heldout_accuracy(f"builtin:sandbox-{name}", 12) for name in ("teacher", "student")}
+
+
+def test_the_teacher_solves_at_least_95_percent_of_held_out_problems_greedily(accuracy):
+    assert np.mean(list(accuracy["teacher"].values())) >= 95.0
+
+
+def test_the_student_is_well_above_zero_and_clearly_below_the_teacher(accuracy):
+    student = np.mean(list(accuracy["student"].values()))
+    assert 5.0 <= student <= np.mean(list(accuracy["teacher"].values())) - 25.0
+
+
+def test_they_load_like_hub_models_share_one_tokenizer_and_are_stored_as_safetensors():
+    from fedopd.config import LoraSettings
+    from fedopd.data import render_prompt
+    from fedopd.models import load_pair
+
+    student, teacher = load_pair("builtin:sandbox-student", "builtin:sandbox-teacher", lora=LoraSettings(), seed=0)
+    assert student.tokenizer.get_vocab() == teacher.tokenizer.get_vocab()
+    text = render_prompt(student.tokenizer, "Compute 1 + 2.")
+    assert text.startswith("<|im_start|>user\nCompute 1 + 2.\nPlease reason step by step")
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for name in ("sandbox-student", "sandbox-teacher"):
+        assert (MODELS_DIR / name / "model.safetensors").is_file()
+    assert teacher.causal_lm.config.model_type == student.causal_lm.config.model_type == "qwen3"
+    assert sum(p.numel() for p in teacher.model.parameters()) > 3 * sum(p.numel() for p in student.causal_lm.parameters())
