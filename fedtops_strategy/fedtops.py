@@ -1,6 +1,7 @@
 """FedTOPS: Federated Teacher-guided On-Policy Scaling.
 
-Paper: "FedTOPS" (``shared/paper/fedtops-preprint.tex``), Algorithm 1.
+Paper: "Trapped by Their Own Rollouts: Understanding Aggregation–Rollout Feedback in Federated
+On-Policy Distillation", Algorithm 1.
 
 FedTOPS trains and averages like FedAvg, then asks the clients that trained how the teacher
 agrees with each candidate θ_t + aΔ_t on their own cached prefixes, and moves by the selected

@@ -1,0 +1,66 @@
+"""The rollout-source intervention: rollouts come from the source, training starts from θ."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from conftest import TINY
+from fedopd.config import parse_run_config
+from fedopd.data import encode_prompts, tiny_arith_partition
+from fedopd.rollout import HFRolloutEngine
+from fedopd.round import ClientModels, train_round
+
+pytestmark = pytest.mark.slow
+
+
+class SpyEngine(HFRolloutEngine):
+    """Records the adapter that is active when rollouts are generated."""
+
+    def set_adapter(self, arrays):
+        self.active = {k: np.array(v) for k, v in arrays.items()}
+        super().set_adapter(arrays)
+
+    def generate(self, prompts, params):
+        self.used = self.active
+        return super().generate(prompts, params)
+
+
+def test_rollouts_come_from_the_source_and_training_starts_from_theta(tiny_pair):
+    student, teacher = tiny_pair
+    engine = SpyEngine(student)
+    models = ClientModels(student, teacher, engine)
+    cfg = parse_run_config(TINY)
+    theta = student.get_lora_arrays()
+    source = {k: v + 0.5 for k, v in theta.items()}
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 8, 1), 2048)
+    out = train_round(
+        models, theta, prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6), cache=cfg.cache,
+        train=dataclasses.replace(cfg.train, lr=1e-9, mini_batch=4, micro_batch=4), server_round=1, seed=0,
+        step_offset=0, total_steps=1, build_cache=False, source=source,
+    )
+    assert all(np.array_equal(engine.used[k], source[k]) for k in theta)
+    assert all(np.allclose(out.arrays[k], theta[k], atol=1e-6) for k in theta)  # one 1e-9 step from θ, not the source
+    assert out.cache is None and "cache_teacher_score" not in out.metrics
+
+
+def test_source_swap_runs_on_a_run_folder_and_reports_paired_differences(tmp_path):
+    from client_app.app import app
+    from eval.source_swap import main
+    from server_app.app import run_server
+    from server_app.inprocess import InProcessGrid, task_identity
+
+    cfg = parse_run_config({
+        **TINY, "data.name": "sandbox", "strategy.name": "fixed", "strategy.multiplier": 2.0, "num-server-rounds": 2,
+        "data.prompts-per-client": 8, "rollout.per-round": 4, "rollout.max-new-tokens": 8, "train.mini-batch": 4,
+        "eval.every": 0, "eval.prompts-per-client": 3, "eval.samples": 2, "eval.max-new-tokens": 6, "output-dir": str(tmp_path),
+    })
+    with task_identity():
+        run = run_server(InProcessGrid(app, cfg.to_run_config(), 3), cfg)
+    assert main([str(run), "--round", "2", "--receiver-rounds", "1", "--bootstrap", "100", "--out", str(tmp_path / "swap")]) == 0
+    result = json.loads((tmp_path / "swap" / "source_swap.json").read_text())
+    assert list(result["models"]) == ["start", "source a=1", "source a=3"] and result["questions"] == 9
+    assert {(d["model"], d["minus"]) for d in result["differences"]} >= {("source a=3", "source a=1")}
+    assert (tmp_path / "swap" / "receiver-a3" / "adapter_model.safetensors").is_file()
+    assert main([str(run), "--round", "5"]) == 1  # a round the run does not have
