@@ -120,3 +120,12 @@ def test_the_learner_budget_matches_the_paper():
     paper = {"num-server-rounds": 50, "rollout.per-round": 32, "train.mini-batch": 8}
     assert parse_run_config({**paper, "strategy.name": "centralized"}).learner_budget(3) == (96, 12, 600)
     assert parse_run_config({**paper, "strategy.name": "fedavg"}).learner_budget(3) == (32, 4, 200)
+
+
+def test_the_centralized_learner_draws_the_same_data_whichever_node_runs_it():
+    from client_app.app import learner_seed
+
+    central = parse_run_config({**SMALL, "strategy.name": "centralized"})
+    fed = parse_run_config({**SMALL, "strategy.name": "fedavg"})
+    assert learner_seed(central, 0, 3) == learner_seed(central, 2, 3)
+    assert learner_seed(fed, 0, 3) != learner_seed(fed, 2, 3)
