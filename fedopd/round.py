@@ -161,7 +161,7 @@ def heldout_correctness(
     sampling (temperature, top-p, seeded); graded by math-verify.
     """
     if not prompts:
-        raise ValueError("evaluate_heldout: the client has no held-out prompts")
+        raise ValueError("held-out evaluation: the client has no held-out prompts")
     k = settings.samples
     models.rollout.set_adapter(theta)
     ids = [p.token_ids for p in prompts]
