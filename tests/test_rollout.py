@@ -77,3 +77,16 @@ def test_hf_sampling_applies_exactly_temperature_then_top_p(tiny_pair, monkeypat
         assert torch.allclose(processed.double()[keep], expected[keep], atol=1e-5)
         kept_counts += keep.sum(-1).tolist()
     assert min(kept_counts) > 50  # so a top-k of 50 (transformers' default) would have shown
+
+
+def test_temperature_zero_is_greedy_decoding(tiny_pair):
+    student, _ = tiny_pair
+    engine = HFRolloutEngine(student)
+    prompt = student.tokenizer("What is 2+3?", add_special_tokens=False)["input_ids"]
+    a = engine.generate([prompt], SamplingParams(6, temperature=0.0, seed=1)).response_ids[0]
+    b = engine.generate([prompt], SamplingParams(6, temperature=0.0, seed=2)).response_ids[0]
+    ids = list(prompt)
+    with torch.no_grad():  # argmax continuation, token by token
+        for _ in range(len(a)):
+            ids.append(int(student.causal_lm(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert a == b == ids[len(prompt):]
