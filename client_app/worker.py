@@ -77,7 +77,8 @@ def _models(cfg: RunConfig) -> ClientModels:
 
 
 def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int) -> tuple[Prompt, ...]:
-    key = (kind, cfg.data, cfg.eval.prompts_per_client, partition_id, num_partitions, cfg.seed, cfg.model.student)
+    held_out = cfg.eval.prompts_per_client if kind == "heldout" else None  # held-out problems do not depend on the seed
+    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.seed if held_out is None else None, cfg.model.student)
     if key not in _PROMPTS:
         if kind == "train":
             rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.seed)

@@ -147,12 +147,13 @@ class RunConfig:
 
     @property
     def local_steps_per_round(self) -> int:
-        return math.ceil(self.rollout.per_round / self.train.mini_batch)
+        """Optimizer steps one client takes per round."""
+        return self.learner_budget(1)[1]
 
     @property
     def total_local_steps(self) -> int:
         """Optimizer steps one client takes over the whole run (the cosine schedule's length)."""
-        return self.num_server_rounds * self.local_steps_per_round
+        return self.learner_budget(1)[2]
 
     def learner_budget(self, num_partitions: int) -> tuple[int, int, int]:
         """(rollouts per round, optimizer steps per round, steps over the run) of one learner.
