@@ -23,6 +23,12 @@ from fedopd.round import ClientModels, load_client_models
 from fedopd.sandbox import task as sandbox
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
+_LOADS = [0]
+
+
+def model_loads() -> int:
+    """How many times this process has loaded base models (a resident worker: once)."""
+    return _LOADS[0]
 
 
 @lru_cache(maxsize=1)
@@ -33,6 +39,7 @@ def worker_models(
 
     The LoRA init seed is irrelevant here: every message brings the factors to use.
     """
+    _LOADS[0] += 1
     return load_client_models(
         model.student,
         model.teacher,

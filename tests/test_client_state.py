@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
-from client_app.app import OPTIMIZER, handle_train
+from client_app.app import handle_train
+from client_app.handlers import OPTIMIZER
 from conftest import TINY
 from fedopd.config import parse_run_config
 

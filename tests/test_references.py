@@ -123,7 +123,7 @@ def test_the_learner_budget_matches_the_paper():
 
 
 def test_the_centralized_learner_draws_the_same_data_whichever_node_runs_it():
-    from client_app.app import learner_seed
+    from client_app.handlers import learner_seed
 
     central = parse_run_config({**SMALL, "strategy.name": "centralized"})
     fed = parse_run_config({**SMALL, "strategy.name": "fedavg"})

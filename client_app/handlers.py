@@ -1,0 +1,111 @@
+"""The client's work for each message type, as functions of the message content and the
+client's state: ``train``, ``score`` and ``evaluate``.
+
+They run wherever the models are: in the ClientApp process (simulation, ``worker =
+'in-process'``) or in the host's resident worker (``worker = 'resident'``,
+:mod:`client_app.resident`). Both call these very functions; the ClientApp shell only wraps
+the returned content in a reply :class:`~flwr.app.Message`.
+
+train:     θ_t in → rollouts, teacher, scoring cache (FedTOPS), local OPD → θ_{t,i}^+ and metrics
+           out. θ_t, the scoring cache and the optimizer state stay in the client's ``state``.
+score:     Δ_t and the candidates in → Ĵ_i(a), K̂_i(a) out. Only scalars leave the client.
+evaluate:  an adapter in → greedy accuracy, Avg@k and Pass@k on the client's held-out prompts out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from client_app import worker
+from fedopd.cache import ScoringCache
+from fedopd.config import RunConfig
+from fedopd.lora import check_compatible, from_record
+from fedopd.round import derive_seed, evaluate_heldout, score_round, train_round
+
+THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
+
+
+def learner_seed(cfg: RunConfig, partition_id: int, num_partitions: int) -> int:
+    """A client's seed; the Centralized learner, which pools every partition, is one more
+    partition (``num_partitions``), whichever node runs it."""
+    return derive_seed(cfg.seed, num_partitions if cfg.strategy.name == "centralized" else partition_id)
+
+
+def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+    models, prompts = worker.setup(cfg, pid, num)
+    per_round, steps_per_round, total_steps = cfg.learner_budget(num)
+    server_round = int(content["config"]["server-round"])
+    theta = from_record(content["arrays"])
+
+    persistent = cfg.train.optimizer_state == "persistent" and OPTIMIZER in state
+    optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent else None
+
+    out = train_round(
+        models,
+        theta,
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=per_round),
+        cache=cfg.cache,
+        train=cfg.train,
+        server_round=server_round,
+        seed=learner_seed(cfg, pid, num),
+        step_offset=(server_round - 1) * steps_per_round,
+        total_steps=total_steps,
+        optimizer_state=optimizer_state,
+        teacher_batch=cfg.model.teacher_batch,
+        build_cache=cfg.strategy.name == "fedtops",
+    )
+
+    state[THETA] = ArrayRecord({k: Array(a) for k, a in theta.items()})
+    if out.cache is not None:
+        state[CACHE] = ArrayRecord({k: Array(v) for k, v in out.cache.to_arrays().items()})
+    if cfg.train.optimizer_state == "persistent":
+        state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in out.optimizer_state.items()})
+    state[META] = ConfigRecord({"server-round": server_round})
+
+    metrics = MetricRecord(
+        {
+            **{k: float(v) for k, v in out.metrics.items()},
+            "partition-id": pid,
+            "num-examples": len(prompts),
+            # Which process holds the models, and how often it has loaded them: once per host.
+            "worker-pid": os.getpid(),
+            "worker-model-loads": worker.model_loads(),
+        }
+    )
+    return RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in out.arrays.items()}), "metrics": metrics})
+
+
+def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+    models, prompts = worker.setup(cfg, pid, num)
+    server_round = int(content["config"]["server-round"])
+    if CACHE not in state or int(state[META]["server-round"]) != server_round:
+        raise RuntimeError(f"score query for round {server_round}, but this client has no scoring cache of that round")
+
+    theta = from_record(state[THETA])
+    delta = from_record(content["increment"])
+    problem = check_compatible(theta, delta)
+    if problem:
+        raise ValueError(f"score query: the increment does not fit the adapter: {problem}")
+    cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
+    candidates = [float(a) for a in content["config"]["candidates"]]
+    teacher_scores, change_scores = score_round(models, theta, delta, cache, candidates)
+
+    metrics = MetricRecord(
+        {"teacher-scores": teacher_scores, "change-scores": change_scores, "num-examples": len(prompts), "partition-id": pid}
+    )
+    return RecordDict({"scores": metrics})
+
+
+def evaluate(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+    models, prompts = worker.setup_heldout(cfg, pid, num)
+    server_round = int(content["config"]["server-round"])
+    theta = from_record(content["arrays"])
+    metrics = evaluate_heldout(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, pid, server_round, 3))
+    return RecordDict({"metrics": MetricRecord({**metrics, "num-examples": len(prompts), "partition-id": pid})})
+
+
+HANDLERS = {"train": train, "score": score, "evaluate": evaluate}

@@ -1,0 +1,199 @@
+"""The resident per-host worker: base models that outlive Flower messages.
+
+Flower's deployment runtime starts a fresh ClientApp process for every message; loading the
+teacher, the student and the rollout engine there would cost more than the round. Instead each
+host runs a Ray instance (``ray start --head``), and the ClientApp (node config
+``worker = "resident"``) forwards each message to a detached, named Ray actor,
+:class:`ResidentWorker`, which loads the models on its first message and keeps them:
+
+- the actor's name is ``fedopd-worker-<worker-name>-<digest>``, where the digest covers what the
+  models depend on (model names, dtype, LoRA settings, rollout backend and engine limits, the
+  package version): a run with other models gets a new worker, and the old one of the same
+  ``worker-name`` is stopped first, so stale models are never used and never pile up;
+- the actor runs the same handlers as the in-process mode (:mod:`client_app.handlers`), one
+  message at a time; per-client state (θ_t, scoring cache, optimizer state) travels with the
+  message as the client's ``context.state`` and comes back with the reply, so nothing of a run
+  is kept in the worker;
+- ``python -m client_app.resident status|stop`` lists or stops the workers.
+
+Node config keys (``flower-supernode --node-config``): ``worker`` (``"resident"``),
+``worker-name`` (default ``"default"``; one per SuperNode when several share a host),
+``ray-address`` (default ``"auto"``), ``worker-gpus`` (GPUs the actor holds; default 1 where the
+Ray instance has a GPU, else 0) and ``worker-threads`` (torch CPU threads; default: Ray's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+from typing import Any, Mapping
+
+NAMESPACE = "fedopd"
+PREFIX = "fedopd-worker"
+
+
+def worker_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What the worker's loaded models depend on, from a run config (validated)."""
+    from fedopd import __version__
+    from fedopd.config import RunConfig
+
+    cfg = RunConfig.from_run_config(dict(run_config))
+    r = cfg.rollout
+    return {
+        "student": cfg.model.student,
+        "teacher": cfg.model.teacher,
+        "dtype": cfg.model.dtype,
+        "lora": [cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, list(cfg.lora.target_modules)],
+        "backend": r.backend,
+        "max-model-len": cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens),
+        "gpu-memory-utilization": r.gpu_memory_utilization,
+        "version": __version__,
+    }
+
+
+def actor_name(worker_name: str, identity: Mapping[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{PREFIX}-{worker_name}-{digest}"
+
+
+class ResidentWorker:
+    """A Ray actor holding one host's models; it runs :data:`client_app.handlers.HANDLERS`."""
+
+    def __init__(self, identity: dict[str, Any], threads: int | None = None) -> None:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.identity = identity
+
+    def handle(self, kind: str, content, state, pid: int, num: int, run_config: dict[str, Any]):
+        """(reply content, the client's new state) for one message."""
+        from client_app.handlers import HANDLERS
+        from fedopd.config import RunConfig
+
+        got = worker_identity(run_config)
+        if got != self.identity:
+            raise RuntimeError(f"this worker holds {self.identity}, the message needs {got}")
+        reply = HANDLERS[kind](content, state, pid, num, RunConfig.from_run_config(run_config))
+        return reply, state
+
+    def info(self) -> dict[str, Any]:
+        from client_app.worker import model_loads
+
+        return {"pid": os.getpid(), "model-loads": model_loads(), "identity": self.identity}
+
+
+def connect(address: str = "auto") -> None:
+    """Join the host's Ray instance (``ray start --head``) in the workers' namespace."""
+    import ray
+
+    if not ray.is_initialized():
+        hint = f"node config worker = 'resident' needs a Ray instance on this host at ray-address = {address!r} (start one with `ray start --head`)"
+        if address != "auto" and not _reachable(address):
+            raise RuntimeError(f"{hint}: nothing answers at {address}")  # ray.init would wait for minutes
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        except ConnectionError as err:
+            raise RuntimeError(hint) from err
+
+
+def _reachable(address: str, timeout: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _node_float(node_config: Mapping[str, Any], key: str) -> float | None:
+    if key not in node_config:
+        return None
+    try:
+        return float(node_config[key])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"node config {key!r} = {node_config[key]!r} is not a number") from err
+
+
+def get_worker(run_config: Mapping[str, Any], node_config: Mapping[str, Any]):
+    """The handle of this host's worker for these models, started if needed."""
+    import ray
+
+    connect(str(node_config.get("ray-address", "auto")))
+    group = str(node_config.get("worker-name", "default"))
+    identity = worker_identity(run_config)
+    name = actor_name(group, identity)
+    stop_workers(group, keep=name)
+    gpus = _node_float(node_config, "worker-gpus")
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    threads = _node_float(node_config, "worker-threads")
+    actor = ray.remote(ResidentWorker).options(
+        name=name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_concurrency=1,
+        num_cpus=0,
+        num_gpus=gpus,
+    )
+    return actor.remote(identity, int(threads) if threads else None)
+
+
+def call_resident(kind: str, content, state, pid: int, num: int, run_config: Mapping[str, Any], node_config: Mapping[str, Any]):
+    """Run one message's work in the resident worker: (reply content, new state)."""
+    import ray
+
+    worker = get_worker(run_config, node_config)
+    try:
+        return ray.get(worker.handle.remote(kind, content, state, pid, num, dict(run_config)))
+    except ray.exceptions.RayTaskError as err:
+        cause = err.cause if err.cause is not None else err
+        raise RuntimeError(f"resident worker: {type(cause).__name__}: {cause}") from None
+
+
+def list_workers() -> list[str]:
+    import ray
+
+    return sorted(n for n in ray.util.list_named_actors() if n.startswith(PREFIX + "-"))
+
+
+def stop_workers(worker_name: str | None = None, keep: str | None = None) -> list[str]:
+    """Kill the workers (of ``worker_name``, or all), except ``keep``; their names."""
+    import ray
+
+    prefix = f"{PREFIX}-{worker_name}-" if worker_name is not None else f"{PREFIX}-"
+    stopped = []
+    for name in list_workers():
+        if name.startswith(prefix) and name != keep:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            stopped.append(name)
+    return stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client_app.resident", description="The resident workers on this host's Ray instance.")
+    parser.add_argument("command", choices=["status", "stop"])
+    parser.add_argument("--address", default="auto", help="Ray address (default: auto, the instance of `ray start --head`)")
+    parser.add_argument("--name", default=None, help="only the workers of this node config worker-name")
+    args = parser.parse_args(argv)
+    connect(args.address)
+    import ray
+
+    if args.command == "stop":
+        for name in stop_workers(args.name):
+            print(f"stopped {name}")
+        return 0
+    for name in list_workers():
+        if args.name is None or name.startswith(f"{PREFIX}-{args.name}-"):
+            info = ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote())
+            print(f"{name}  pid {info['pid']}  model loads {info['model-loads']}  {json.dumps(info['identity'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
