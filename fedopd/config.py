@@ -116,6 +116,17 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
+class TimeoutSettings:
+    """How long the server waits for the clients' replies in each phase, in seconds. A client
+    that has not answered by then is left out of that phase of the round (recorded in
+    ``excluded``); the round goes on with the others."""
+
+    train: float = 3600.0
+    score: float = 600.0
+    evaluate: float = 3600.0
+
+
+@dataclass(frozen=True)
 class RunConfig:
     num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
@@ -130,6 +141,7 @@ class RunConfig:
     strategy: StrategyConfig = StrategyConfig()
     cache: CacheSettings = CacheSettings()
     eval: EvalSettings = EvalSettings()
+    timeout: TimeoutSettings = TimeoutSettings()
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "RunConfig":
@@ -248,6 +260,9 @@ _key("eval.samples", "eval.samples", _int(1))
 _key("eval.temperature", "eval.temperature", _float(0.0, strict=True))
 _key("eval.top-p", "eval.top_p", _float(0.0, strict=True, hi=1.0))
 _key("eval.max-new-tokens", "eval.max_new_tokens", _int(1))
+_key("timeout.train", "timeout.train", _float(0.0, strict=True))
+_key("timeout.score", "timeout.score", _float(0.0, strict=True))
+_key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 

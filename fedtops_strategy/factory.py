@@ -8,7 +8,7 @@ from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
 
-def make_strategy(cfg: StrategyConfig, *, num_clients: int, timeout: float = 3600.0):
+def make_strategy(cfg: StrategyConfig, *, num_clients: int, score_timeout: float = 600.0):
     """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round
     (Centralized: one learner, with all of them connected)."""
     common = dict(
@@ -22,7 +22,7 @@ def make_strategy(cfg: StrategyConfig, *, num_clients: int, timeout: float = 360
     if cfg.name == "fixed":
         return FixedMultiplier(cfg.multiplier, **common)
     if cfg.name == "fedtops":
-        return FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, score_timeout=timeout, **common)
+        return FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, score_timeout=score_timeout, **common)
     if cfg.name == "local":
         return LocalTraining(**common)
     if cfg.name == "centralized":

@@ -30,7 +30,7 @@ from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.lora import Named, apply_increment, from_record, increment
-from fedtops_strategy.screening import WEIGHT_KEY, ReplyScreening
+from fedtops_strategy.screening import WEIGHT_KEY, ReplyScreening, missing_replies, reply_nodes
 from fedtops_strategy.selection import feasible_indices, select_multiplier
 
 SCORE_MESSAGE_TYPE = "query.score"
@@ -135,10 +135,10 @@ class FedTOPS(ReplyScreening, FedAvg):
             }
         )
         messages = [Message(content=content, message_type=SCORE_MESSAGE_TYPE, dst_node_id=n) for n in nodes]
-        replies = self._grid.send_and_receive(messages, timeout=self.score_timeout)
+        replies = list(self._grid.send_and_receive(messages, timeout=self.score_timeout))
+        self.records[server_round]["excluded"].extend(missing_replies(messages, replies, "score"))
         answers = []
-        for msg in replies:
-            node = int(msg.metadata.src_node_id)
+        for msg, node in zip(replies, reply_nodes(messages, replies)):
             problem, parsed = parse_score_reply(msg, len(self.candidates))
             if problem:
                 log(WARNING, "round %d: score reply of node %d ignored: %s", server_round, node, problem)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from logging import WARNING
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
@@ -52,6 +52,25 @@ def client_metrics(message: Message) -> dict[str, Any]:
     return out
 
 
+def reply_nodes(sent: Sequence[Message], replies: Sequence[Message]) -> list[int]:
+    """The node each reply answers for: its sender, or, for an error reply that the SuperLink
+    wrote for a node it lost (sender: the SuperLink), the node the original message went to."""
+    destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent}
+    return [destination.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id)) for r in replies]
+
+
+def missing_replies(sent: Sequence[Message], replies: Sequence[Message], phase: str) -> list[dict[str, Any]]:
+    """``excluded`` entries for the messages in ``sent`` that got no reply (in time) in ``phase``."""
+    answered = {r.metadata.reply_to_message_id for r in replies}
+    out = []
+    for m in sent:
+        if m.metadata.message_id not in answered:
+            node = int(m.metadata.dst_node_id)
+            log(WARNING, "%s: node %d did not reply in time; left out of this round", phase, node)
+            out.append({"node-id": node, "reason": f"{phase}: no reply before the timeout"})
+    return out
+
+
 class ReplyScreening:
     """Mixin for a Flower ``FedAvg`` subclass: screens train replies, records rounds.
 
@@ -66,17 +85,25 @@ class ReplyScreening:
         self.records: dict[int, dict[str, Any]] = {}
         self._theta: ArrayRecord | None = None
         self._grid = None
+        self._sent: list[Message] = []
         self.round_started = 0.0
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._theta, self._grid = arrays, grid
         self.round_started = time.perf_counter()
-        return super().configure_train(server_round, arrays, config, grid)
+        if server_round > 1:
+            # The run waited for its clients before round 1; from then on a round trains the
+            # clients that are connected, so a lost client never stalls the run.
+            self.min_available_nodes = self.min_train_nodes = 1
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._sent = messages  # the grid sets their message ids when it pushes them
+        return messages
 
     def screen_train_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         kept, clients, excluded = [], [], []
-        for msg in replies:
-            node = int(msg.metadata.src_node_id)
+        replies = list(replies)
+        excluded.extend(missing_replies(self._sent, replies, "train"))
+        for msg, node in zip(replies, reply_nodes(self._sent, replies)):
             problem = f"error reply: {msg.error.reason}" if msg.has_error() else reply_problem(msg.content, self._theta)
             if problem:
                 log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)

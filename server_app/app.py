@@ -19,6 +19,7 @@ from fedopd.lora import from_record
 from fedopd.models import ModelLoadError, attach_lora, load_causal_lm, resolve_model_path
 from fedtops_strategy import make_strategy
 from server_app.evaluation import evaluate_round, is_evaluation_round
+from server_app.grid import PromptGrid
 from server_app.run_folder import RunFolder, new_run_dir
 
 app = ServerApp()
@@ -81,8 +82,9 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, cfg)
 
 
-def run_server(grid: Grid, cfg: RunConfig, timeout: float = 3600.0) -> Path:
+def run_server(grid: Grid, cfg: RunConfig) -> Path:
     """The whole run for a validated config; returns the run folder after the last round."""
+    grid = PromptGrid(grid)
     arrays, lora_config = initial_adapter(cfg)
 
     run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config)
@@ -91,7 +93,7 @@ def run_server(grid: Grid, cfg: RunConfig, timeout: float = 3600.0) -> Path:
 
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, timeout=timeout)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, score_timeout=cfg.timeout.score)
     local = cfg.strategy.name == "local"
 
     def after_round(server_round: int, global_arrays: ArrayRecord):
@@ -109,7 +111,7 @@ def run_server(grid: Grid, cfg: RunConfig, timeout: float = 3600.0) -> Path:
         if is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
             started = time.perf_counter()
             record["evaluation"] = evaluate_round(
-                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=local, timeout=timeout
+                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=local, timeout=cfg.timeout.evaluate
             )
             record["eval_seconds"] = time.perf_counter() - started
         if server_round > 0 or "evaluation" in record:
@@ -121,6 +123,7 @@ def run_server(grid: Grid, cfg: RunConfig, timeout: float = 3600.0) -> Path:
         grid=grid,
         initial_arrays=ArrayRecord({n: Array(a) for n, a in arrays.items()}),
         num_rounds=cfg.num_server_rounds,
+        timeout=cfg.timeout.train,
         train_config=ConfigRecord(),
         evaluate_fn=after_round,
     )

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedtops_strategy.screening import WEIGHT_KEY
+from fedtops_strategy.screening import WEIGHT_KEY, missing_replies, reply_nodes
 
 EVALUATE = "evaluate"
 
@@ -51,9 +51,10 @@ def evaluate_round(
         )
         for n in nodes
     ]
-    clients, excluded = [], []
-    for msg in grid.send_and_receive(messages, timeout=timeout):
-        node = int(msg.metadata.src_node_id)
+    clients = []
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    excluded = missing_replies(messages, replies, "evaluate")
+    for msg, node in zip(replies, reply_nodes(messages, replies)):
         problem, metrics = _parse(msg)
         if problem:
             log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, node, problem)

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
 
 from fedopd.config import StrategyConfig
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
@@ -21,19 +21,32 @@ def _record(arrays):
 class FakeGrid:
     """Answers train messages with ``updates[node]`` and score queries with ``scores[node]``."""
 
-    def __init__(self, updates, weights, scores=None, reverse=False):
+    def __init__(self, updates, weights, scores=None, reverse=False, lost=None, connected=None):
         self.updates, self.weights, self.scores = updates, weights, scores or {}
         self.sent, self.timeouts, self.reverse = [], [], reverse
+        # lost[node] = (message type, "silent" | "superlink"): in that phase the node never
+        # answers, or the SuperLink answers for it with a Node Unavailable error, as Flower does.
+        self.lost = lost or {}
+        self.connected = connected  # callable: the node ids connected now (default: all)
 
     def get_node_ids(self):
-        return list(self.updates)
+        return self.connected() if self.connected else list(self.updates)
 
     def send_and_receive(self, messages, *, timeout=None):
         self.timeouts.append((sorted({m.metadata.message_type for m in messages}), timeout))
         replies = []
         for msg in messages:
             self.sent.append(msg)
+            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"  # as a Grid does when it pushes
             node = msg.metadata.dst_node_id
+            phase, how = self.lost.get(node, (None, None))
+            if phase == msg.metadata.message_type:
+                if how == "superlink":
+                    meta = Metadata(run_id=1, message_id=f"e{len(self.sent)}", src_node_id=1, dst_node_id=1,
+                                    reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
+                                    message_type=phase)
+                    replies.append(Message(Error(code=5, reason="Error: Node Unavailable"), metadata=meta))
+                continue
             if msg.metadata.message_type == "train":
                 content = RecordDict(
                     {"arrays": _record(self.updates[node]), "metrics": MetricRecord({"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5})}
@@ -45,7 +58,7 @@ class FakeGrid:
                 continue  # this node does not answer
             meta = Metadata(
                 run_id=1, message_id=f"r{len(self.sent)}", src_node_id=node, dst_node_id=0,
-                reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0,
+                reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
                 message_type=msg.metadata.message_type,
             )
             replies.append(Message(content=content, metadata=meta))
@@ -199,6 +212,46 @@ def test_a_bad_update_is_left_out_of_the_average_and_recorded(bad, reason):
     assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))  # node 3 never reaches the adapter
     excluded = strategy.records[1]["excluded"]
     assert [e["node-id"] for e in excluded] == [3] and reason in excluded[0]["reason"]
+
+
+def test_clients_lost_in_train_are_recorded_under_their_own_node_and_the_rest_are_averaged():
+    updates = {**UPDATES, 3: [np.full((2, 3), 9.0), np.zeros(3)], 4: [np.full((2, 3), 9.0), np.zeros(3)]}
+    weights = {**WEIGHTS, 3: 100, 4: 100}
+    strategy = LoRAFedAvg(**_common(4))
+    lost = {3: ("train", "silent"), 4: ("train", "superlink")}
+    new = _run(strategy, FakeGrid(updates, weights, lost=lost))
+    assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))  # nodes 1 and 2 only
+    assert strategy.records[1]["excluded"] == [
+        {"node-id": 3, "reason": "train: no reply before the timeout"},
+        {"node-id": 4, "reason": "error reply: Error: Node Unavailable"},  # the SuperLink's reply, not node 1's
+    ]
+
+
+@pytest.mark.parametrize("how, reason", [("silent", "score: no reply before the timeout"), ("superlink", "score: error reply: Error: Node Unavailable")])
+def test_a_client_lost_in_the_score_query_is_recorded_and_fedtops_selects_over_the_others(how, reason):
+    # Node 1 alone allows a = 5 (its Ĵ falls to 0.1 and K̂ stays within δ up to a = 5).
+    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.0, 0.01, 0.02, 0.03, 0.3]),
+              2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.9, 0.9, 0.9, 0.9, 0.9])}
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost={2: ("query.score", how)}))
+    record = strategy.records[1]
+    assert record["excluded"] == [{"node-id": 2, "reason": reason}]
+    assert record["scored-node-ids"] == [1] and record["multiplier"] == 5.0
+
+
+def test_after_round_one_a_round_trains_the_clients_still_connected():
+    calls = {"n": 0}
+
+    def connected():
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise RuntimeError("the strategy kept waiting for a lost node")
+        return [1, 2] if not strategy.records else [1]  # node 2 is gone after round 1
+
+    strategy = LoRAFedAvg(**_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, connected=connected), rounds=2)
+    assert [c["node-id"] for c in strategy.records[1]["clients"]] == [1, 2]
+    assert [c["node-id"] for c in strategy.records[2]["clients"]] == [1]
 
 
 def test_factory_builds_each_strategy_from_the_config():
