@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# A whole Flower deployment of this app on one machine: SuperLink, N SuperNodes with resident
+# workers, TLS and SuperNode authentication on by default; runs the app and stops everything.
+#
+#   scripts/local-deployment.sh --nodes N [--no-tls] [--no-auth] [--netns] [--workdir DIR]
+#                               [--kill-supernode I:MESSAGE-TYPE] -- <flwr run options>
+#
+# e.g.  scripts/local-deployment.sh --nodes 3 -- --run-config "num-server-rounds=2" --stream
+#
+# Each SuperNode i has its own state folder ($FLWR_HOME), node config "partition-id=i
+# num-partitions=N worker='resident' worker-name='node-i'" and its own resident worker (a
+# detached Ray actor, client_app/resident.py) on a Ray instance this script starts. Credentials
+# (CA, SuperLink certificate, one EC key pair per SuperNode) are made by scripts/credentials.py
+# and the public keys registered with `flwr supernode register`. --netns puts each SuperNode, with
+# its own Ray instance, in its own network namespace with its own address (needs root and
+# `ip netns`), so nothing relies on loopback. --kill-supernode I:TYPE kills SuperNode I (its whole
+# process group) when it receives its first message of TYPE (train, query.score, evaluate):
+# fault injection for tests. The last line printed is `run folder: <absolute path>`; the exit
+# status is non-zero if the run failed. Everything started is stopped by process group, also on
+# Ctrl-C. Logs stay in the work folder (printed first; --workdir to choose it).
+set -euo pipefail
+
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+
+NODES=2; TLS=1; AUTH=1; NETNS=0; WORK=""; KILLS=()
+while (($#)); do
+  case "$1" in
+    --nodes) NODES="${2:?--nodes needs a number}"; shift 2 ;;
+    --no-tls) TLS=0; shift ;;
+    --no-auth) AUTH=0; shift ;;
+    --netns) NETNS=1; shift ;;
+    --workdir) WORK="${2:?--workdir needs a folder}"; shift 2 ;;
+    --kill-supernode) KILLS+=("${2:?--kill-supernode needs I:TYPE}"); shift 2 ;;
+    -h|--help) usage 0 ;;
+    --) shift; break ;;
+    *) echo "error: unknown option $1 (options before --, flwr run options after it)" >&2; usage ;;
+  esac
+done
+FLWR_RUN_ARGS=("$@")
+[[ "$NODES" =~ ^[1-9][0-9]*$ ]] || { echo "error: --nodes must be a positive integer, got '$NODES'" >&2; exit 2; }
+for k in "${KILLS[@]}"; do
+  [[ "$k" =~ ^([0-9]+):(train|query\.score|evaluate)$ ]] && ((BASH_REMATCH[1] < NODES)) \
+    || { echo "error: --kill-supernode '$k': expected I:TYPE with 0 <= I < $NODES and TYPE train, query.score or evaluate" >&2; exit 2; }
+done
+for tool in python flwr flower-superlink flower-supernode ray setsid; do
+  command -v "$tool" >/dev/null || { echo "error: '$tool' not found on PATH (activate the project's environment)" >&2; exit 2; }
+done
+if ((NETNS)); then
+  [[ $(id -u) == 0 ]] && command -v ip >/dev/null || { echo "error: --netns needs root and the ip command" >&2; exit 2; }
+fi
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+TOOLS="$REPO/scripts/deployment_tools.py"
+WORK="${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/fedtops-deploy.XXXXXX")}"
+mkdir -p "$WORK"; WORK="$(cd "$WORK" && pwd)"
+echo "local deployment: $NODES SuperNodes, TLS $( ((TLS)) && echo on || echo off), auth $( ((AUTH)) && echo on || echo off), netns $( ((NETNS)) && echo on || echo off); logs in $WORK" >&2
+
+PGIDS=(); NAMESPACES=(); VETHS=(); RAY_TMP=""
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  for pg in "${PGIDS[@]}"; do kill -TERM -- "-$pg" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    local alive=0
+    for pg in "${PGIDS[@]}"; do kill -0 -- "-$pg" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.1
+  done
+  for pg in "${PGIDS[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+  for ns in "${NAMESPACES[@]}"; do ip netns delete "$ns" 2>/dev/null || true; done
+  for veth in "${VETHS[@]}"; do ip link delete "$veth" 2>/dev/null || true; done
+  [[ -n "${RAY_TMP:-}" ]] && rm -rf "$RAY_TMP"
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# start LOG CMD...: CMD in a new session (its own process group, led by its pid), output to LOG.
+start() {
+  local log="$1"; shift
+  setsid "$@" >"$log" 2>&1 </dev/null &
+  PGIDS+=("$!")
+  LAST_PID=$!
+}
+
+# --- addresses -----------------------------------------------------------------------------
+SL_PORT="$(python "$TOOLS" free-port)"
+if ((NETNS)); then
+  # SuperNode i lives in namespace fedtops-<pid>-i behind a veth pair 10.<a>.<i>.1 (host side,
+  # where it reaches the SuperLink) <-> 10.<a>.<i>.2 (its own address).
+  NET=$(( 100 + $$ % 100 ))
+  SL_HOST="0.0.0.0"
+  for ((i = 0; i < NODES; i++)); do
+    ns="fedtops-$$-$i"; host_if="ftd$$h$i"; node_if="ftd$$n$i"
+    ip netns add "$ns"; NAMESPACES+=("$ns")
+    ip link add "$host_if" type veth peer name "$node_if"; VETHS+=("$host_if")
+    ip link set "$node_if" netns "$ns"
+    ip addr add "10.$NET.$i.1/30" dev "$host_if"; ip link set "$host_if" up
+    ip netns exec "$ns" ip addr add "10.$NET.$i.2/30" dev "$node_if"
+    ip netns exec "$ns" ip link set "$node_if" up
+    ip netns exec "$ns" ip link set lo up
+  done
+else
+  SL_HOST="127.0.0.1"
+fi
+superlink_address() { if ((NETNS)); then echo "10.$NET.$1.1:$SL_PORT"; else echo "127.0.0.1:$SL_PORT"; fi; }
+
+# --- credentials ---------------------------------------------------------------------------
+CREDS="$WORK/credentials"
+if ((TLS || AUTH)); then
+  SANS=()
+  if ((NETNS)); then for ((i = 0; i < NODES; i++)); do SANS+=(--superlink-address "10.$NET.$i.1"); done; fi
+  python "$REPO/scripts/credentials.py" "$CREDS" --supernodes "$NODES" $( ((TLS)) || echo --no-tls ) "${SANS[@]}" >/dev/null
+fi
+
+# --- SuperLink and the flwr CLI's connection -----------------------------------------------
+mkdir -p "$WORK/superlink" "$WORK/cli"
+SL_ARGS=(--host "$SL_HOST" --port "$SL_PORT" --disable-runtime-dependency-installation)
+if ((TLS)); then
+  SL_ARGS+=(--ssl-ca-certfile "$CREDS/ca.crt" --ssl-certfile "$CREDS/superlink.crt" --ssl-keyfile "$CREDS/superlink.key")
+else
+  SL_ARGS+=(--insecure)
+fi
+((AUTH)) && SL_ARGS+=(--enable-supernode-auth)
+start "$WORK/superlink.log" env FLWR_HOME="$WORK/superlink" flower-superlink "${SL_ARGS[@]}"
+
+{
+  echo '[superlink]'
+  echo 'default = "local-deployment"'
+  echo
+  echo '[superlink.local-deployment]'
+  echo "address = \"127.0.0.1:$SL_PORT\""
+  if ((TLS)); then echo "root-certificates = \"$CREDS/ca.crt\""; else echo 'insecure = true'; fi
+} >"$WORK/cli/config.toml"
+export FLWR_HOME="$WORK/cli"
+
+python "$TOOLS" wait-port 127.0.0.1 "$SL_PORT" 60 || { echo "error: the SuperLink did not start; see $WORK/superlink.log" >&2; exit 1; }
+if ((AUTH)); then
+  for ((i = 0; i < NODES; i++)); do
+    flwr supernode register "$CREDS/supernode-$i.pub" local-deployment >"$WORK/register-$i.log" 2>&1 \
+      || { echo "error: registering SuperNode $i failed; see $WORK/register-$i.log" >&2; exit 1; }
+  done
+fi
+
+# --- Ray (the resident workers' engine) and the SuperNodes ---------------------------------
+# Ray's socket paths must stay short: its session folders go to a short temp folder, removed at exit.
+RAY_TMP="$(mktemp -d /tmp/ftr.XXXXXX)"
+RAY_ARGS=(--head --block --include-dashboard=false --disable-usage-stats --num-cpus "$(nproc)")
+node_prefix() { if ((NETNS)); then echo ip netns exec "fedtops-$$-$1"; fi; }
+ray_address() { if ((NETNS)); then echo "10.$NET.$1.2:6379"; else echo "127.0.0.1:$RAY_PORT"; fi; }
+if ((NETNS)); then
+  for ((i = 0; i < NODES; i++)); do
+    start "$WORK/ray-$i.log" $(node_prefix "$i") ray start "${RAY_ARGS[@]}" --node-ip-address "10.$NET.$i.2" \
+      --port 6379 --temp-dir "$RAY_TMP/$i"
+  done
+else
+  RAY_PORT="$(python "$TOOLS" free-port)"
+  start "$WORK/ray.log" ray start "${RAY_ARGS[@]}" --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
+    --ray-client-server-port "$(python "$TOOLS" free-port)" --dashboard-agent-listen-port "$(python "$TOOLS" free-port)" \
+    --temp-dir "$RAY_TMP/0"
+fi
+
+declare -A NODE_PGID
+for ((i = 0; i < NODES; i++)); do
+  mkdir -p "$WORK/supernode-$i"
+  SN_ARGS=(--superlink "$(superlink_address "$i")" --port 9094
+           --node-config "partition-id=$i num-partitions=$NODES worker=\"resident\" worker-name=\"node-$i\" ray-address=\"$(ray_address "$i")\"")
+  ((NETNS)) || SN_ARGS[3]="$(python "$TOOLS" free-port)"
+  if ((TLS)); then SN_ARGS+=(--root-certificates "$CREDS/ca.crt"); else SN_ARGS+=(--insecure); fi
+  ((AUTH)) && SN_ARGS+=(--auth-supernode-private-key "$CREDS/supernode-$i")
+  start "$WORK/supernode-$i.log" $(node_prefix "$i") env FLWR_HOME="$WORK/supernode-$i" FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 \
+    flower-supernode "${SN_ARGS[@]}"
+  NODE_PGID[$i]=$LAST_PID
+done
+for k in "${KILLS[@]}"; do
+  i="${k%%:*}"; type="${k#*:}"
+  start "$WORK/kill-$i.log" python "$TOOLS" kill-on "$WORK/supernode-$i.log" "Receiving: $type message" "${NODE_PGID[$i]}"
+done
+
+python "$TOOLS" wait-nodes "$NODES" 120 -- flwr supernode ls local-deployment --format json \
+  || { echo "error: not all $NODES SuperNodes came online; see $WORK/supernode-*.log" >&2; exit 1; }
+
+# --- the run ---------------------------------------------------------------------------------
+set +e
+flwr run "$REPO" local-deployment --stream "${FLWR_RUN_ARGS[@]}" 2>&1 | tee "$WORK/run.log"
+RUN_STATUS=${PIPESTATUS[0]}
+set -e
+RUN_DIR="$(sed -n 's/.*FedTOPS run finished: //p' "$WORK/run.log" | tail -n 1 | tr -d '\r')"
+if [[ $RUN_STATUS != 0 || -z "$RUN_DIR" ]]; then
+  echo "error: the run failed (flwr run exit status $RUN_STATUS); see $WORK/run.log and $WORK/superlink.log" >&2
+  exit 1
+fi
+echo "run folder: $RUN_DIR"

@@ -1,0 +1,218 @@
+"""The app deployed for real: SuperLink, SuperNodes and resident workers as separate processes.
+
+Everything runs through ``scripts/local-deployment.sh`` (TLS and SuperNode authentication on,
+as by default) on the tiny preset, 2 SuperNodes. A killed SuperNode is detected by the server's
+phase timeout (``timeout.train``/``timeout.score``; Flower's own heartbeat takes a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.deployment]
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "local-deployment.sh"
+TOOLS = REPO / "scripts" / "deployment_tools.py"
+BIN = Path(sys.executable).parent
+
+TINY_RUN = {
+    "model.student": '"builtin:tiny-student"',
+    "model.teacher": '"builtin:tiny-teacher"',
+    "data.name": '"tiny-arith"',
+    "data.prompts-per-client": "64",
+    "rollout.max-new-tokens": "32",
+    "rollout.per-round": "16",
+    "train.lr": "2e-3",
+    "train.mini-batch": "8",
+    "train.micro-batch": "4",
+    "eval.every": "0",
+    "num-server-rounds": "2",
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _requirements() -> None:
+    for tool in ("setsid", "flwr", "flower-superlink", "flower-supernode", "ray"):
+        if shutil.which(tool, path=_env()["PATH"]) is None:
+            pytest.skip(f"{tool!r} is not installed")
+
+
+def deploy(tmp_path: Path, *options: str, nodes: int = 2, **run_config: str) -> tuple[subprocess.CompletedProcess, Path | None]:
+    """Run the script; (the finished process, the run folder from its last line or None)."""
+    _requirements()
+    settings = {**TINY_RUN, "output-dir": f'"{tmp_path / "runs"}"', **run_config}
+    rc = " ".join(f"{k}={v}" for k, v in settings.items())
+    cmd = ["bash", str(SCRIPT), "--nodes", str(nodes), "--workdir", str(tmp_path / "work"), *options, "--", "--run-config", rc]
+    done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    lines = done.stdout.strip().splitlines()
+    run = Path(lines[-1].removeprefix("run folder: ")) if lines and lines[-1].startswith("run folder: ") else None
+    return done, run
+
+
+def rounds(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
+
+
+def _no_process_left(work: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", str(work)], capture_output=True, text=True, check=False).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture(scope="module")
+def tls_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    done, run = deploy(tmp)
+    return tmp, done, run
+
+
+def test_two_fedtops_rounds_over_tls_with_authentication(tls_run):
+    tmp, done, run = tls_run
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert run is not None and run.is_absolute() and run.is_dir()
+    assert done.stdout.strip().splitlines()[-1] == f"run folder: {run}"
+    log = (tmp / "work" / "superlink.log").read_text()
+    assert "Uvicorn running on https://" in log  # TLS, not plain HTTP
+    for i in range(2):  # each SuperNode proved its identity with a registered key
+        assert "registered successfully" in (tmp / "work" / f"register-{i}.log").read_text()
+    records = [r for r in rounds(run) if r["round"] > 0]
+    assert [r["round"] for r in records] == [1, 2]
+    for r in records:
+        assert r["strategy"] == "fedtops" and r["excluded"] == []
+        assert [c["partition-id"] for c in r["clients"]] == [0, 1]
+        assert len(r["teacher_scores"]) == len(r["candidates"]) == 6
+        assert r["multiplier"] in r["candidates"]
+    assert (run / "round-002" / "adapter_model.safetensors").is_file()
+    assert not _no_process_left(tmp / "work")  # the script stopped everything it started
+
+
+def test_each_host_loads_its_models_once(tls_run):
+    _, _, run = tls_run
+    by_partition: dict[int, set[int]] = {0: set(), 1: set()}
+    for r in [r for r in rounds(run) if r["round"] > 0]:
+        for c in r["clients"]:
+            assert c["worker-model-loads"] == 1
+            by_partition[c["partition-id"]].add(c["worker-pid"])
+    assert all(len(pids) == 1 for pids in by_partition.values())  # the same worker in both rounds
+    assert by_partition[0] != by_partition[1]  # one worker per SuperNode
+    assert os.getpid() not in by_partition[0] | by_partition[1]
+
+
+def test_deployment_reproduces_the_in_process_run_exactly(tls_run, tmp_path):
+    """Same seeds, same partitions: the deployed run's adapters equal an in-process run's."""
+    from server_app.inprocess import run_in_process
+
+    _, _, run = tls_run
+    overrides = {k: json.loads(v) for k, v in TINY_RUN.items()}
+    local = run_in_process({**overrides, "output-dir": str(tmp_path)}, num_clients=2)
+    for rnd in (1, 2):
+        deployed = load_file(run / f"round-{rnd:03d}" / "adapter_model.safetensors")
+        simulated = load_file(local / f"round-{rnd:03d}" / "adapter_model.safetensors")
+        assert deployed.keys() == simulated.keys()
+        for key in deployed:
+            np.testing.assert_array_equal(deployed[key], simulated[key])
+
+
+def test_a_supernode_whose_key_was_not_registered_is_refused(tmp_path):
+    _requirements()
+    env = _env()
+    creds = tmp_path / "creds"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "credentials.py"), str(creds), "--supernodes", "2"], check=True, env=env)
+    port = subprocess.run([sys.executable, str(TOOLS), "free-port"], capture_output=True, text=True, check=True).stdout.strip()
+    home = tmp_path / "cli"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "t"\n\n[superlink.t]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{creds / "ca.crt"}"\n'
+    )
+    env["FLWR_HOME"] = str(home)
+    tls = ["--ssl-ca-certfile", str(creds / "ca.crt"), "--ssl-certfile", str(creds / "superlink.crt"), "--ssl-keyfile", str(creds / "superlink.key")]
+    log = open(tmp_path / "superlink.log", "w")
+    superlink = subprocess.Popen(
+        ["flower-superlink", *tls, "--enable-supernode-auth", "--host", "127.0.0.1", "--port", port],
+        env={**env, "FLWR_HOME": str(tmp_path / "sl")}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    nodes = []
+    try:
+        assert subprocess.run([sys.executable, str(TOOLS), "wait-port", "127.0.0.1", port, "60"], check=False).returncode == 0
+        subprocess.run(["flwr", "supernode", "register", str(creds / "supernode-0.pub"), "t"], env=env, check=True, capture_output=True)
+
+        def supernode(i: int) -> subprocess.Popen:
+            runtime = subprocess.run([sys.executable, str(TOOLS), "free-port"], capture_output=True, text=True, check=True).stdout.strip()
+            p = subprocess.Popen(
+                ["flower-supernode", "--superlink", f"127.0.0.1:{port}", "--root-certificates", str(creds / "ca.crt"),
+                 "--auth-supernode-private-key", str(creds / f"supernode-{i}"), "--port", runtime, "--max-retries", "1", "--max-wait-time", "20"],
+                env={**env, "FLWR_HOME": str(tmp_path / f"sn{i}")}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True,
+            )
+            nodes.append(p)
+            return p
+
+        registered, stranger = supernode(0), supernode(1)
+        assert stranger.wait(timeout=120) != 0  # refused: it gives up
+        ls = [sys.executable, str(TOOLS), "wait-nodes", "1", "60", "--", "flwr", "supernode", "ls", "t", "--format", "json"]
+        assert subprocess.run(ls, env=env, check=False).returncode == 0  # the registered one is online
+        assert registered.poll() is None
+        listed = json.loads(subprocess.run(["flwr", "supernode", "ls", "t", "--format", "json"], env=env, capture_output=True, text=True).stdout)
+        assert [n["status"] for n in listed["nodes"]] == ["online"]  # only the registered key is known
+        time.sleep(0.5)
+        assert "No SuperNode found with the given public key" in (tmp_path / "superlink.log").read_text()
+    finally:
+        for p in [*nodes, superlink]:
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+        log.close()
+
+
+LOST_REASONS = {
+    "train": ("train: no reply before the timeout", "error reply: Error: Node Unavailable"),
+    "query.score": ("score: no reply before the timeout", "score: error reply: Error: Node Unavailable"),
+}
+
+
+def _registered_node_id(work: Path, i: int) -> int:
+    """SuperNode i's node id, from `flwr supernode register`'s answer."""
+    text = (work / f"register-{i}.log").read_text()
+    return int(re.search(r"SuperNode (\d+) registered", text).group(1))
+
+
+@pytest.mark.parametrize("phase", ["query.score", "train"])
+def test_a_supernode_lost_mid_round_is_left_out_and_the_run_goes_on(tmp_path, phase):
+    """SuperNode 1 is killed when it receives its first ``phase`` message (round 1)."""
+    done, run = deploy(tmp_path, "--kill-supernode", f"1:{phase}", **{"timeout.train": "60", "timeout.score": "15"})
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "killed process group" in (tmp_path / "work" / "kill-1.log").read_text()
+    lost, kept = _registered_node_id(tmp_path / "work", 1), _registered_node_id(tmp_path / "work", 0)
+    first, second = [r for r in rounds(run) if r["round"] > 0]
+    # The lost client is recorded under its own node id, with why (the server's timeout, or the
+    # SuperLink's Node Unavailable reply once its heartbeat is overdue).
+    [entry] = first["excluded"]
+    assert entry["node-id"] == lost and entry["reason"].startswith(LOST_REASONS[phase]), entry
+    if phase == "train":
+        assert [c["node-id"] for c in first["clients"]] == [kept]  # round 1 averages node 0 alone
+    else:
+        # Both trained, only node 0 answered the score query: FedTOPS chose over its scores.
+        assert sorted(c["node-id"] for c in first["clients"]) == sorted([kept, lost])
+        assert first["scored-node-ids"] == [kept] and len(first["client_teacher_scores"]) == 1
+    assert first["multiplier"] in first["candidates"]
+    # The next round goes on with the client that is left.
+    assert [c["node-id"] for c in second["clients"]] == [kept]
+    assert all(e["node-id"] == lost for e in second["excluded"])
+    assert second["multiplier"] in second["candidates"]
+    assert (run / "round-002" / "adapter_model.safetensors").is_file()
