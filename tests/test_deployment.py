@@ -216,3 +216,25 @@ def test_a_supernode_lost_mid_round_is_left_out_and_the_run_goes_on(tmp_path, ph
     assert all(e["node-id"] == lost for e in second["excluded"])
     assert second["multiplier"] in second["candidates"]
     assert (run / "round-002" / "adapter_model.safetensors").is_file()
+
+
+def _netns_usable() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"fedtops-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    return made
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and a working `ip netns`")
+def test_supernodes_in_their_own_network_namespaces_reach_the_superlink_by_address(tmp_path):
+    done, run = deploy(tmp_path, "--netns")
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert [r["round"] for r in rounds(run) if r["round"] > 0] == [1, 2]
+    fleet = re.findall(r"\[uvicorn\.access\] ([0-9.]+):\d+ - \"POST /v1/fleet/", (tmp_path / "work" / "superlink.log").read_text())
+    assert fleet and "127.0.0.1" not in fleet  # no SuperNode request came over loopback
+    assert len({a for a in fleet}) == 2 and all(a.startswith("10.") for a in fleet)  # one address per SuperNode
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    assert "fedtops-" not in listed  # namespaces removed afterwards
