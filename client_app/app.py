@@ -66,7 +66,7 @@ def handle(kind: str, msg: Message, context: Context, cfg: RunConfig | None = No
         from client_app.handlers import HANDLERS
 
         cfg = cfg if cfg is not None else RunConfig.from_run_config(context.run_config)
-        content = HANDLERS[kind](msg.content, context.state, pid, num, cfg)
+        content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config)
     return Message(content=content, reply_to=msg)
 
 

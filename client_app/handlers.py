@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, Mapping
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from client_app import worker
+from client_app.client_state import client_state_dir, load_round_state, save_round_state
 from fedopd.cache import ScoringCache
 from fedopd.config import RunConfig
 from fedopd.lora import check_compatible, from_record
+from fedopd.procinfo import rss_mb
 from fedopd.round import derive_seed, evaluate_heldout, score_round, train_round
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
@@ -34,14 +37,25 @@ def learner_seed(cfg: RunConfig, partition_id: int, num_partitions: int) -> int:
     return derive_seed(cfg.seed, num_partitions if cfg.strategy.name == "centralized" else partition_id)
 
 
-def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
     models, prompts = worker.setup(cfg, pid, num)
     per_round, steps_per_round, total_steps = cfg.learner_budget(num)
-    server_round = int(content["config"]["server-round"])
+    config = content["config"]
+    server_round = int(config["server-round"])
     theta = from_record(content["arrays"])
+    folder = client_state_dir(config, node_config or {}, pid)
+    persistent = cfg.train.optimizer_state == "persistent"
+    local = cfg.strategy.name == "local"
 
-    persistent = cfg.train.optimizer_state == "persistent" and OPTIMIZER in state
-    optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent else None
+    if "resume-round" in config and META not in state and (persistent or local):
+        # The first round of a resumed run, in a fresh process: continue from this client's own
+        # saved state (its optimizer, and for Local its adapter, which the server does not keep).
+        saved_optimizer, own_adapter = load_round_state(folder, int(config["resume-round"]))
+        if persistent and saved_optimizer is not None:
+            state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in saved_optimizer.items()})
+        if local and own_adapter is not None:
+            theta = own_adapter
+    optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent and OPTIMIZER in state else None
 
     out = train_round(
         models,
@@ -65,6 +79,8 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     if cfg.train.optimizer_state == "persistent":
         state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in out.optimizer_state.items()})
     state[META] = ConfigRecord({"server-round": server_round})
+    if folder is not None:
+        save_round_state(folder, server_round, out.optimizer_state if persistent else None, out.arrays if local else None)
 
     metrics = MetricRecord(
         {
@@ -74,12 +90,13 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
             # Which process holds the models, and how often it has loaded them: once per host.
             "worker-pid": os.getpid(),
             "worker-model-loads": worker.model_loads(),
+            "worker-rss-mb": rss_mb(),
         }
     )
     return RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in out.arrays.items()}), "metrics": metrics})
 
 
-def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
     models, prompts = worker.setup(cfg, pid, num)
     server_round = int(content["config"]["server-round"])
     if CACHE not in state or int(state[META]["server-round"]) != server_round:
@@ -100,7 +117,7 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     return RecordDict({"scores": metrics})
 
 
-def evaluate(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig) -> RecordDict:
+def evaluate(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
     models, prompts = worker.setup_heldout(cfg, pid, num)
     server_round = int(content["config"]["server-round"])
     theta = from_record(content["arrays"])

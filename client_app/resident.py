@@ -70,7 +70,7 @@ class ResidentWorker:
             torch.set_num_threads(threads)
         self.identity = identity
 
-    def handle(self, kind: str, content, state, pid: int, num: int, run_config: dict[str, Any]):
+    def handle(self, kind: str, content, state, pid: int, num: int, run_config: dict[str, Any], node_config: dict[str, Any]):
         """(reply content, the client's new state) for one message."""
         from client_app.handlers import HANDLERS
         from fedopd.config import RunConfig
@@ -78,7 +78,7 @@ class ResidentWorker:
         got = worker_identity(run_config)
         if got != self.identity:
             raise RuntimeError(f"this worker holds {self.identity}, the message needs {got}")
-        reply = HANDLERS[kind](content, state, pid, num, RunConfig.from_run_config(run_config))
+        reply = HANDLERS[kind](content, state, pid, num, RunConfig.from_run_config(run_config), node_config)
         return reply, state
 
     def info(self) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def call_resident(kind: str, content, state, pid: int, num: int, run_config: Map
 
     worker = get_worker(run_config, node_config)
     try:
-        return ray.get(worker.handle.remote(kind, content, state, pid, num, dict(run_config)))
+        return ray.get(worker.handle.remote(kind, content, state, pid, num, dict(run_config), dict(node_config)))
     except ray.exceptions.RayTaskError as err:
         cause = err.cause if err.cause is not None else err
         raise RuntimeError(f"resident worker: {type(cause).__name__}: {cause}") from None

@@ -132,6 +132,7 @@ class RunConfig:
     num_clients: int = 0  # 0: every node connected when the run starts
     seed: int = 42
     output_dir: str = "runs"
+    resume_from: str = ""  # a run folder to continue; "" = a new run
     preset: str = "sandbox"
     model: ModelConfig = ModelConfig()
     lora: LoraSettings = LoraSettings()
@@ -224,6 +225,7 @@ _key("num-server-rounds", "num_server_rounds", _int(1))
 _key("num-clients", "num_clients", _int(0))
 _key("seed", "seed", _int(0))
 _key("output-dir", "output_dir", _nonempty())
+_key("resume-from", "resume_from", (str, lambda v: True, "a run folder to continue, or '' for a new run"))
 _key("preset", "preset", _nonempty())
 _key("model.student", "model.student", _nonempty())
 _key("model.teacher", "model.teacher", _nonempty())
@@ -265,6 +267,10 @@ _key("timeout.score", "timeout.score", _float(0.0, strict=True))
 _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
+
+# Keys that may differ between a run and its resumption: they change no adapter and no record.
+# num-server-rounds may grow (the remaining rounds then follow the longer cosine schedule).
+RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate")
 
 
 def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:

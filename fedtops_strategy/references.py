@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.lora import Named, from_record
@@ -32,8 +32,7 @@ class LocalTraining(ReplyScreening, FedAvg):
         self.client_arrays: dict[int, ArrayRecord] = {}  # node id -> its latest adapter
         self.partitions: dict[int, int] = {}  # node id -> partition id
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)
+    def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         return [self._own(m, arrays) for m in messages]
 
     def _own(self, message: Message, initial: ArrayRecord) -> Message:
@@ -66,6 +65,5 @@ class Centralized(ReplyScreening, FedAvg):
 
     strategy_name = "centralized"
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+    def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         return sorted(messages, key=lambda m: m.metadata.dst_node_id)[:1]

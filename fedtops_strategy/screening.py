@@ -95,8 +95,12 @@ class ReplyScreening:
             # The run waited for its clients before round 1; from then on a round trains the
             # clients that are connected, so a lost client never stalls the run.
             self.min_available_nodes = self.min_train_nodes = 1
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        messages = self.prepare_messages(list(super().configure_train(server_round, arrays, config, grid)), arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
+        return messages
+
+    def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
+        """The train messages as sent (a subclass may replace or drop some); by default unchanged."""
         return messages
 
     def screen_train_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:

@@ -6,6 +6,7 @@ stops the run with a message naming the key, and no run folder or adapter is cre
 
 from __future__ import annotations
 
+import json
 import time
 from logging import ERROR, INFO
 from pathlib import Path
@@ -14,13 +15,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import ConfigError, RunConfig
+from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig
 from fedopd.lora import from_record
-from fedopd.models import ModelLoadError, attach_lora, load_causal_lm, resolve_model_path
+from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
+from fedopd.procinfo import rss_mb
 from fedtops_strategy import make_strategy
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
-from server_app.run_folder import RunFolder, new_run_dir
+from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir
 
 app = ServerApp()
 
@@ -82,19 +84,54 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, cfg)
 
 
+def open_resumed_run(cfg: RunConfig, lora_config) -> tuple[RunFolder, int]:
+    """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
+
+    The folder must hold a run whose resolved config equals this one except for
+    :data:`fedopd.config.RESUME_FREE_KEYS`; a half-written last round is removed.
+    """
+    path = Path(cfg.resume_from).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: no run folder there (no config.json)")
+    original = json.loads((path / "config.json").read_text())
+    changed = config_mismatch(original, cfg.to_run_config())
+    if changed:
+        diffs = ", ".join(f"'{k}' ({original.get(k)!r} -> {cfg.to_run_config()[k]!r})" for k in changed)
+        raise ConfigError(
+            f"run config 'resume-from' = {cfg.resume_from!r}: the run was made with other values of {diffs}; "
+            f"a resumed run may change only {', '.join(RESUME_FREE_KEYS)}"
+        )
+    if cfg.num_server_rounds < int(original["num-server-rounds"]):
+        raise ConfigError(f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow")
+    done = max((r["round"] for r in complete_rounds(path)), default=0)
+    if done >= cfg.num_server_rounds:
+        raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: the run already completed its {done} rounds; raise 'num-server-rounds' to continue it")
+    run = RunFolder(path, cfg, lora_config)
+    return run, done
+
+
 def run_server(grid: Grid, cfg: RunConfig) -> Path:
-    """The whole run for a validated config; returns the run folder after the last round."""
+    """The whole run for a validated config; returns the run folder after the last round.
+
+    With ``resume-from``, the run continues in that folder after its last complete round, from
+    the global adapter saved there (the clients restore their own state, ``client_app/client_state.py``).
+    """
     grid = PromptGrid(grid)
     arrays, lora_config = initial_adapter(cfg)
-
-    run = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config)
-    log(INFO, "FedTOPS run folder: %s", run.path.resolve())
-    run.save_adapter(0, arrays)
+    local = cfg.strategy.name == "local"
+    if cfg.resume_from:
+        run, done = open_resumed_run(cfg, lora_config)
+        if done > 0 and not local:  # Local's global adapter stays the initial one
+            arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
+        log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
+    else:
+        run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config), 0
+        log(INFO, "FedTOPS run folder: %s", run.path.resolve())
+        run.save_adapter(0, arrays)
 
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     strategy = make_strategy(cfg.strategy, num_clients=num_clients, score_timeout=cfg.timeout.score)
-    local = cfg.strategy.name == "local"
 
     def after_round(server_round: int, global_arrays: ArrayRecord):
         """Save the round's adapters, evaluate on the held-out prompts when due, write the record."""
@@ -103,6 +140,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         else:
             record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
             record["seconds"] = time.perf_counter() - strategy.round_started
+            record["server-rss-mb"] = rss_mb()
             if local:
                 for pid, named in strategy.client_adapters().items():
                     run.save_adapter(server_round, named, client=pid)
@@ -117,15 +155,21 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         if server_round > 0 or "evaluation" in record:
             run.append_round(record)
             log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
-        return None
 
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord({n: Array(a) for n, a in arrays.items()}),
-        num_rounds=cfg.num_server_rounds,
-        timeout=cfg.timeout.train,
-        train_config=ConfigRecord(),
-        evaluate_fn=after_round,
-    )
+    # The round loop of Flower's Strategy.start, from the round after the last complete one.
+    global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
+    if done == 0:
+        after_round(0, global_arrays)
+    for server_round in range(done + 1, cfg.num_server_rounds + 1):
+        log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
+        config = ConfigRecord({"run-dir": str(run.path.resolve())})
+        if server_round == done + 1 and done > 0:
+            config["resume-round"] = done  # clients restore their state of that round
+        messages = strategy.configure_train(server_round, global_arrays, config, grid)
+        replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            global_arrays = new_arrays
+        after_round(server_round, global_arrays)
     log(INFO, "FedTOPS run finished: %s", run.path.resolve())
     return run.path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -46,8 +47,45 @@ def new_run_dir(output_dir: str | Path, label: str) -> Path:
     raise FileExistsError(f"could not create a new run folder under {root}")
 
 
+def config_mismatch(original: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The run-config keys whose values differ and that a resumed run may not change."""
+    from fedopd.config import RESUME_FREE_KEYS, parse_run_config
+
+    before = parse_run_config({k: v for k, v in original.items() if k in current}).to_run_config()
+    after = parse_run_config(dict(current)).to_run_config()
+    return [k for k in after if k not in RESUME_FREE_KEYS and before.get(k) != after[k]]
+
+
+def complete_rounds(path: Path) -> list[dict[str, Any]]:
+    """The records of the rounds a run folder completed, after removing what a stop left half-written.
+
+    A round is complete when its line in ``rounds.jsonl`` is whole (valid JSON ending in a
+    newline); it is written after the round's adapters. A partial last line is cut off, and the
+    folders of rounds after the last complete one (adapters written before the stop) are removed.
+    """
+    file = path / "rounds.jsonl"
+    data = file.read_bytes() if file.exists() else b""
+    records, keep = [], 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+        keep += len(line)
+    if keep != len(data):
+        with open(file, "r+b") as f:
+            f.truncate(keep)
+    last = max((r["round"] for r in records), default=-1)
+    for folder in path.glob("round-[0-9][0-9][0-9]"):
+        if int(folder.name[6:]) > max(last, 0):
+            shutil.rmtree(folder)
+    return records
+
+
 class RunFolder:
-    """Writes one run's files as the run goes."""
+    """Writes one run's files as the run goes (a resumed run: appends to its folder)."""
 
     def __init__(self, path: Path, cfg: RunConfig, lora_config) -> None:
         self.path = path

@@ -17,12 +17,24 @@ TINY = {
 }
 
 
+_OWN_CACHE = []
+
+
 def pytest_configure(config):
-    # Tests build the tiny models into a cache of their own unless one is given.
+    # Tests build the tiny models into a cache of their own unless one is given; it is removed
+    # when the session ends.
     if "FEDTOPS_CACHE" not in os.environ:
         import tempfile
 
         os.environ["FEDTOPS_CACHE"] = tempfile.mkdtemp(prefix="fedtops-test-cache-")
+        _OWN_CACHE.append(os.environ["FEDTOPS_CACHE"])
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for path in _OWN_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,7 @@ def test_local_trains_each_client_from_its_own_adapter_and_never_averages(local)
     assert not _same(finals[0], finals[1]) and not _same(finals[1], finals[2])
     assert not (path / "round-002" / "adapter_model.safetensors").exists()  # no global adapter
     assert [r["multiplier"] for r in rounds[1:]] == [None, None]
+    assert [r["excluded"] for r in rounds[1:]] == [[], []]  # every client's own-adapter message answered
 
 
 def test_local_clients_evaluate_their_own_adapters_and_the_run_reports_the_local_mean(local):
@@ -95,6 +96,7 @@ def test_centralized_trains_one_learner_on_every_clients_prompts_with_the_combin
         assert learner["num-examples"] == 3 * 16  # the pooled prompts
         assert learner["steps"] == 3 * 8 / 4  # three clients' rollouts, the same mini-batch
         assert r["multiplier"] == 1.0
+        assert r["excluded"] == []  # the other clients were never asked, so nobody is missing
     # 2 rounds x 6 steps: the cosine schedule spans the combined depth (round 2 starts at step 6 of 12)
     assert rounds[2]["clients"][0]["lr_first"] == pytest.approx(2e-3 * 0.5 * (1 + np.cos(np.pi * 6 / 12)))
 

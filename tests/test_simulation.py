@@ -72,7 +72,7 @@ def runs(tmp_path_factory):
             num_supernodes=3,
             backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}},
         )
-        folders = list(root.iterdir())
+        folders = [p.parent for p in root.glob("*/config.json")]
         assert len(folders) == 1, f"{name}: expected one run folder, found {folders}"
         out[name] = (folders[0], read_rounds(folders[0]))
     return out
