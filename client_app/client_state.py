@@ -27,7 +27,7 @@ OPTIMIZER_FILE, ADAPTER_FILE = "optimizer.safetensors", "adapter.safetensors"
 KEEP = 2
 
 
-def client_state_dir(config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int) -> Path | None:
+def client_state_dir(config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str) -> Path | None:
     """Where this client's per-round state goes; None when the server named no run folder."""
     run_dir = config.get("run-dir")
     if not run_dir:

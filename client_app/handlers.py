@@ -43,7 +43,9 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     config = content["config"]
     server_round = int(config["server-round"])
     theta = from_record(content["arrays"])
-    folder = client_state_dir(config, node_config or {}, pid)
+    # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
+    # may number differently: its state is the learner's, not a partition's.
+    folder = client_state_dir(config, node_config or {}, "central" if cfg.strategy.name == "centralized" else pid)
     persistent = cfg.train.optimizer_state == "persistent"
     local = cfg.strategy.name == "local"
 
