@@ -78,7 +78,7 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     state[THETA] = ArrayRecord({k: Array(a) for k, a in theta.items()})
     if out.cache is not None:
         state[CACHE] = ArrayRecord({k: Array(v) for k, v in out.cache.to_arrays().items()})
-    if cfg.train.optimizer_state == "persistent":
+    if persistent:
         state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in out.optimizer_state.items()})
     state[META] = ConfigRecord({"server-round": server_round})
     if folder is not None:

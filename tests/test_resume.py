@@ -128,6 +128,10 @@ def test_resuming_with_another_learning_rate_is_refused_naming_the_key_and_nothi
     with pytest.raises(ConfigError, match="no run folder there"):
         run_in_process({**config, "num-server-rounds": 2, "resume-from": str(tmp_path / "nothing")})
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # A run of 3 rounds stopped after round 1 may not be resumed as a run of 2.
+    (run / "config.json").write_text(json.dumps({**json.loads((run / "config.json").read_text()), "num-server-rounds": 3}))
+    with pytest.raises(ConfigError, match="'num-server-rounds' = 2 is below the resumed run's 3; it may only grow"):
+        run_in_process({**config, "num-server-rounds": 2, "resume-from": str(run)})
 
 
 def test_the_client_state_folder_is_beside_the_run_in_simulation_and_on_the_host_in_deployment(tmp_path, monkeypatch):
