@@ -156,6 +156,14 @@ def call_resident(kind: str, content, state, pid: int, num: int, run_config: Map
         raise RuntimeError(f"resident worker: {type(cause).__name__}: {cause}") from None
 
 
+def worker_group(name: str) -> str | None:
+    """The ``worker-name`` part of an actor name (``fedopd-worker-<worker-name>-<12 hex>``), or None."""
+    head, _, digest = name.rpartition("-")
+    if not name.startswith(PREFIX + "-") or len(digest) != 12 or len(head) <= len(PREFIX) + 1:
+        return None
+    return head[len(PREFIX) + 1 :]
+
+
 def list_workers() -> list[str]:
     import ray
 
@@ -166,10 +174,9 @@ def stop_workers(worker_name: str | None = None, keep: str | None = None) -> lis
     """Kill the workers (of ``worker_name``, or all), except ``keep``; their names."""
     import ray
 
-    prefix = f"{PREFIX}-{worker_name}-" if worker_name is not None else f"{PREFIX}-"
     stopped = []
     for name in list_workers():
-        if name.startswith(prefix) and name != keep:
+        if (worker_name is None or worker_group(name) == worker_name) and name != keep:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             stopped.append(name)
     return stopped
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped {name}")
         return 0
     for name in list_workers():
-        if args.name is None or name.startswith(f"{PREFIX}-{args.name}-"):
+        if args.name is None or worker_group(name) == args.name:
             info = ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote())
             print(f"{name}  pid {info['pid']}  model loads {info['model-loads']}  {json.dumps(info['identity'])}")
     return 0

@@ -43,6 +43,15 @@ def test_worker_name_separates_supernodes_on_one_host():
     assert actor_name("node-0", identity) != actor_name("node-1", identity)
 
 
+def test_a_worker_name_is_read_back_exactly_even_when_one_name_begins_another():
+    from client_app.resident import worker_group
+
+    identity = worker_identity(parse_run_config(OVERRIDES).to_run_config())
+    assert worker_group(actor_name("node", identity)) == "node"
+    assert worker_group(actor_name("node-0", identity)) == "node-0"  # not "node"'s: stopping "node" spares it
+    assert worker_group("fedopd-worker-x") is None and worker_group("other-actor-0123456789ab") is None
+
+
 def test_an_unknown_worker_mode_is_refused_naming_the_key():
     from client_app.app import worker_mode
 
