@@ -5,7 +5,7 @@
 #   scripts/local-deployment.sh --nodes N [--no-tls] [--no-auth] [--netns] [--workdir DIR]
 #                               [--kill-supernode I:MESSAGE-TYPE] -- <flwr run options>
 #
-# e.g.  scripts/local-deployment.sh --nodes 3 -- --run-config "num-server-rounds=2" --stream
+# e.g.  scripts/local-deployment.sh --nodes 3 -- --run-config "num-server-rounds=2"   (--stream is passed)
 #
 # Each SuperNode i has its own state folder ($FLWR_HOME), node config "partition-id=i
 # num-partitions=N worker='resident' worker-name='node-i'" and its own resident worker (a
