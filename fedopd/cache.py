@@ -144,20 +144,25 @@ class ScoringCache:
         return cls(**{f.name: np.asarray(arrays[f.name]) for f in fields(cls)})
 
 
-def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> ScoringCache:
+def build_scoring_cache(student, teacher, rollouts, settings, seed: int, teacher_hidden: torch.Tensor | None = None) -> ScoringCache:
     """Pick cached rollouts and positions, and store q̃ and π̃_t on S (before any optimizer step).
 
     ``student`` and ``teacher`` are :class:`fedopd.models.CausalLM` objects, the student holding
     θ_t; ``rollouts`` a :class:`fedopd.rollout.Rollouts`; ``settings`` a
-    :class:`fedopd.config.CacheSettings`.
+    :class:`fedopd.config.CacheSettings`. ``teacher_hidden``: the teacher's final hidden states at
+    every response position of every rollout, packed in rollout order (N_total, H), as the round's
+    teacher pass computed them; the cache's teacher rows are then taken from it (the teacher runs
+    once per rollout per round). Without it, the teacher runs on the cached rollouts here.
     """
     chosen = choose_cache_rollouts(len(rollouts), settings.rollouts, seed)
-    seqs, mask, positions = [], [], []
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rollouts.response_ids])])
+    seqs, positions, rows = [], [], []
     for r, idx in enumerate(chosen):
         prompt, response = rollouts.prompt_ids[idx], rollouts.response_ids[idx]
         seqs.append(list(prompt) + list(response))
         for j in cache_positions(len(response), settings.positions):
             positions.append((r, len(prompt) - 1 + int(j)))
+            rows.append(int(offsets[idx]) + int(j))
     if not positions:
         raise ValueError("scoring cache: every cached rollout has an empty response")
     width = max(len(s) for s in seqs)
@@ -169,8 +174,14 @@ def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> Scor
     positions = np.asarray(positions, dtype=np.int64)
 
     with torch.no_grad():
-        t_logits = _logits_at(teacher, input_ids, mask, positions)
+        if teacher_hidden is None:
+            t_logits = _logits_at(teacher, input_ids, mask, positions)
+        else:
+            if teacher_hidden.shape[0] != offsets[-1]:
+                raise ValueError(f"teacher_hidden has {teacher_hidden.shape[0]} rows, the rollouts {offsets[-1]} response tokens")
+            t_logits = teacher.logits(teacher_hidden[torch.as_tensor(rows, device=teacher_hidden.device)])
         s_logits = _logits_at(student, input_ids, mask, positions)
+        t_logits = t_logits.to(s_logits.device)
         token_ids = union_top_k(t_logits, s_logits, settings.top_k)
         q = coarsen_logits(t_logits, token_ids)
         p = coarsen_logits(s_logits, token_ids)
@@ -178,17 +189,17 @@ def build_scoring_cache(student, teacher, rollouts, settings, seed: int) -> Scor
         input_ids=input_ids,
         attention_mask=mask,
         positions=positions,
-        token_ids=token_ids.numpy(),
-        teacher=q.numpy(),
-        student=p.numpy(),
+        token_ids=token_ids.cpu().numpy(),
+        teacher=q.cpu().numpy(),
+        student=p.cpu().numpy(),
     )
 
 
 def coarse_student(student, cache: ScoringCache) -> torch.Tensor:
-    """π̃ of the student's current weights at the cached prefixes, (N, 2k+1) float64 on CPU."""
+    """π̃ of the student's current weights at the cached prefixes, (N, 2k+1) float64 on the model's device."""
     with torch.no_grad():
         logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions)
-        return coarsen_logits(logits, torch.from_numpy(cache.token_ids))
+        return coarsen_logits(logits, torch.from_numpy(cache.token_ids).to(logits.device))
 
 
 def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[float, float]:
@@ -199,9 +210,14 @@ def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[floa
     Both are >= 0 (clamped at 0 against rounding).
     """
     candidate = candidate.double()
-    teacher_score = kl(torch.from_numpy(cache.teacher).double(), candidate).mean().clamp_min(0.0)
-    change_score = kl(torch.from_numpy(cache.student).double(), candidate).mean().clamp_min(0.0)
+    q = torch.from_numpy(cache.teacher).to(candidate.device, torch.float64)
+    p = torch.from_numpy(cache.student).to(candidate.device, torch.float64)
+    teacher_score = kl(q, candidate).mean().clamp_min(0.0)
+    change_score = kl(p, candidate).mean().clamp_min(0.0)
     return float(teacher_score), float(change_score)
+
+
+CANDIDATE_ADAPTER = "fedtops-candidate-{}"
 
 
 def score_candidates(
@@ -210,27 +226,66 @@ def score_candidates(
     theta: Mapping[str, np.ndarray],
     increment: Mapping[str, np.ndarray],
     multipliers: Sequence[float],
+    *,
+    batched: bool = True,
+    candidates_per_pass: int | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Ĵ_i(a) and K̂_i(a) for each multiplier a, with the student's LoRA set to θ_t + aΔ.
+    """Ĵ_i(a) and K̂_i(a) for each multiplier a, the student's LoRA at θ_t + aΔ.
 
-    The student's adapter is left at the last candidate; callers load the factors they need
-    before their next use.
+    ``batched`` (default): the candidates are scored together, their cached sequences stacked on
+    the batch dimension, each row under its candidate's adapter (PEFT mixed-adapter batches);
+    ``candidates_per_pass`` candidates per forward pass (None: all). The LM head runs only at the
+    cached positions, and softmax, S and the tail are computed on the model's device. Otherwise
+    one forward per candidate through the trained adapter (the reference path; it leaves that
+    adapter at the last candidate, so callers load the factors they need before their next use).
     """
+    if not batched:
+        teacher_scores, change_scores = [], []
+        for a in multipliers:
+            student.set_lora_arrays(apply_increment(theta, increment, a))
+            j, k = candidate_scores(cache, coarse_student(student, cache))
+            teacher_scores.append(j)
+            change_scores.append(k)
+        return teacher_scores, change_scores
+
+    per_pass = max(1, candidates_per_pass or len(multipliers))
+    names = student.load_extra_adapters(
+        {CANDIDATE_ADAPTER.format(i): apply_increment(theta, increment, a) for i, a in enumerate(multipliers)}
+    )
+    token_ids = torch.from_numpy(cache.token_ids)
+    n = cache.num_positions
     teacher_scores, change_scores = [], []
-    for a in multipliers:
-        student.set_lora_arrays(apply_increment(theta, increment, a))
-        j, k = candidate_scores(cache, coarse_student(student, cache))
-        teacher_scores.append(j)
-        change_scores.append(k)
+    for start in range(0, len(names), per_pass):
+        group = names[start : start + per_pass]
+        with torch.no_grad():
+            logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions, adapters=group)
+            coarse = coarsen_logits(logits, token_ids.to(logits.device).repeat(len(group), 1))
+        for c in range(len(group)):
+            j, k = candidate_scores(cache, coarse[c * n : (c + 1) * n])
+            teacher_scores.append(j)
+            change_scores.append(k)
     return teacher_scores, change_scores
 
 
-def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray):
-    """fp32 logits (N, V) at ``positions`` (the head computes in fp32); it runs only there."""
+def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, adapters: Sequence[str] | None = None):
+    """fp32 logits (N, V) at ``positions``, on the model's device (the head runs only there, in fp32).
+
+    ``adapters``: stack the sequences once per adapter name on the batch dimension, each copy
+    under its adapter; the result is then (len(adapters) · N, V), adapter-major.
+    """
     ids = torch.from_numpy(input_ids).to(model.device)
     att = torch.from_numpy(mask).to(model.device)
     # Nothing after the last scored position influences it (causal attention): cut the batch there.
     width = int(positions[:, 1].max()) + 1
-    hidden = model.hidden_states(ids[:, :width], att[:, :width])
+    ids, att = ids[:, :width], att[:, :width]
     pos = torch.from_numpy(positions).to(model.device)
-    return model.logits(hidden[pos[:, 0], pos[:, 1]]).float().cpu()
+    if adapters is None:
+        hidden = model.hidden_states(ids, att)
+        return model.logits(hidden[pos[:, 0], pos[:, 1]])
+    rows = ids.shape[0]
+    c = len(adapters)
+    hidden = model.hidden_states_per_adapter(
+        ids.repeat(c, 1), att.repeat(c, 1), [name for name in adapters for _ in range(rows)]
+    )
+    seq = torch.cat([pos[:, 0] + i * rows for i in range(c)])
+    return model.logits(hidden[seq, pos[:, 1].repeat(c)])

@@ -32,6 +32,7 @@ DATASETS = ("sandbox", "tiny-arith", "math")
 EVAL_DATASETS = ("sandbox",)  # with held-out problems per client
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
+PACKING = ("auto", "packed", "padded")
 STRATEGIES = ("fedavg", "fixed", "fedtops", "local", "centralized")
 
 
@@ -86,6 +87,8 @@ class TrainSettings:
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False  # recompute the student's layer activations in backward
     loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
+    packing: str = "auto"  # micro-batches packed (padding-free) or padded; auto: packed with flash-attention 2
+    exact_kl: bool = False  # also report kl_before / kl_after over all rollouts (two extra student passes)
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,8 @@ _key("train.mini-batch", "train.mini_batch", _int(1))
 _key("train.micro-batch", "train.micro_batch", _int(1))
 _key("train.optimizer-state", "train.optimizer_state", _choice(OPTIMIZER_STATES))
 _key("train.gradient-checkpointing", "train.gradient_checkpointing", _bool())
+_key("train.packing", "train.packing", _choice(PACKING))
+_key("train.exact-kl", "train.exact_kl", _bool())
 _key("strategy.name", "strategy.name", _choice(STRATEGIES))
 _key("strategy.multiplier", "strategy.multiplier", _float(0.0, strict=False))
 _key("strategy.candidates", "strategy.candidates",

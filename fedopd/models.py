@@ -12,9 +12,10 @@ positions) or chunk by chunk (the OPD loss).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -110,6 +111,7 @@ class CausalLM:
     dtype: torch.dtype
     logit_width: int
     name: str
+    _factors: dict = field(default_factory=dict, repr=False)  # adapter name -> {factor name: Parameter}
 
     # -- forward ---------------------------------------------------------------------------------
     @property
@@ -117,10 +119,37 @@ class CausalLM:
         """The transformers ``*ForCausalLM`` module (inside the PEFT wrapper, if any)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Final (post-norm) hidden states (B, T, H); LoRA layers are active if attached."""
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final (post-norm) hidden states (B, T, H); LoRA layers are active if attached.
+
+        Packed (padding-free) rows: ``attention_mask=None`` and ``position_ids`` restarting at 0 for
+        each sequence; transformers then keeps the sequences apart (flash-attention 2 varlen, or a
+        block-diagonal mask for SDPA).
+        """
         body = self.causal_lm.base_model
-        return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+
+    def hidden_states_per_adapter(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: Sequence[str]
+    ) -> torch.Tensor:
+        """:meth:`hidden_states` with row b computed under the LoRA adapter ``adapter_names[b]``.
+
+        PEFT's mixed-adapter batches: the base projections run once for the whole batch, each
+        adapter's low-rank term only on its rows. Inference only (the model must be in eval mode).
+        """
+        with self.model._enable_peft_forward_hooks(adapter_names=list(adapter_names)):
+            return self.hidden_states(input_ids, attention_mask)
+
+    @property
+    def attn_implementation(self) -> str:
+        return str(getattr(self.causal_lm.config, "_attn_implementation", "sdpa"))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states (..., H) -> (..., logit_width), computed in fp32.
@@ -156,34 +185,66 @@ class CausalLM:
         state = get_peft_model_state_dict(self.model)
         return {n: t.detach().to(torch.float32).cpu().numpy().copy() for n, t in state.items()}
 
-    def set_lora_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Copy named fp32 factors into the adapter, matched by name (bit-exact for fp32).
+    def factor_parameters(self, adapter: str = "default") -> dict[str, torch.nn.Parameter]:
+        """The parameters of ``adapter``'s LoRA factors, keyed by PEFT's saved (wire) names, in wire order.
+
+        Built once per adapter: a saved name ``...q_proj.lora_A.weight`` is the parameter
+        ``...q_proj.lora_A.<adapter>.weight``.
+        """
+        if adapter not in self._factors:
+            params = dict(self.model.named_parameters())
+            out = {}
+            for name in self.lora_names():
+                head, _, leaf = name.rpartition(".")
+                key = f"{head}.{adapter}.{leaf}"
+                if key not in params:
+                    raise ValueError(f"adapter '{adapter}' of '{self.name}' has no parameter for factor '{name}'")
+                out[name] = params[key]
+            self._factors[adapter] = out
+        return self._factors[adapter]
+
+    def set_lora_arrays(self, arrays: Mapping[str, np.ndarray], adapter: str = "default") -> None:
+        """Copy named fp32 factors into ``adapter``, matched by name (bit-exact for fp32).
 
         The names must be exactly the adapter's (:meth:`lora_names`); the first missing or
         unknown name, or a wrong shape, is an error that names the factor.
         """
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
         if not isinstance(arrays, Mapping):
             raise TypeError(f"LoRA factors must be given by name (a mapping), got {type(arrays).__name__}")
-        current = {n: tuple(t.shape) for n, t in get_peft_model_state_dict(self.model).items()}
-        names = list(current)
-        problem = name_mismatch(names, list(arrays))
+        params = self.factor_parameters(adapter)
+        problem = name_mismatch(list(params), list(arrays))
         if problem:
             raise ValueError(f"LoRA arrays do not match the adapter of '{self.name}': {problem}")
-        for n in names:
-            if tuple(np.shape(arrays[n])) != current[n]:
+        for n, param in params.items():
+            if tuple(np.shape(arrays[n])) != tuple(param.shape):
                 raise ValueError(
-                    f"LoRA factor '{n}' has shape {tuple(np.shape(arrays[n]))}, the adapter's is {current[n]}"
+                    f"LoRA factor '{n}' has shape {tuple(np.shape(arrays[n]))}, the adapter's is {tuple(param.shape)}"
                 )
-        state = {n: torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.float32)) for n in names}
-        result = set_peft_model_state_dict(self.model, state)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise ValueError(f"LoRA arrays did not match the adapter: unexpected keys {unexpected[:3]}")
+        with torch.no_grad():
+            for n, param in params.items():
+                param.copy_(torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.float32)))
 
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def load_extra_adapters(self, named_arrays: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
+        """Load frozen extra adapters (same config as the trained one) under the given names.
+
+        ``named_arrays`` maps an adapter name to its factors, named as for :meth:`set_lora_arrays`
+        (the trained adapter's names). Adapters are created on first use and kept for the process,
+        so repeated calls only copy factors. The trained adapter stays the active one, and its
+        parameters stay the only trainable ones. Returns the names, in order.
+        """
+        names = list(named_arrays)
+        for name in names:
+            if name == "default":
+                raise ValueError("extra adapters may not be named 'default' (the trained adapter)")
+            if name not in self.model.peft_config:
+                self.model.add_adapter(name, copy.deepcopy(self.lora_config))
+                for param in self.factor_parameters(name).values():
+                    param.requires_grad_(False)
+            self.set_lora_arrays(named_arrays[name], adapter=name)
+        return names
 
     @property
     def lora_config(self):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fedopd.teacher import TokenBatch, make_batch, teacher_hidden
+from fedopd.teacher import TokenBatch, make_batch, make_packed_batch, teacher_hidden
 
 DEFAULT_CHUNK = 1024
 
@@ -183,7 +183,7 @@ def minibatch_gradient(student, teacher, micro: Sequence[TokenBatch], hidden: Se
     tokens = max(sum(b.num_tokens for b in micro), 1)
     loss_sum = 0.0
     for b, th in zip(micro, hidden):
-        hs = student.hidden_states(b.input_ids, b.attention_mask)[b.loss_mask]
+        hs = b.hidden(student)
         loss = reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk) / tokens
         loss.backward()
         loss_sum += loss.item()
@@ -204,10 +204,39 @@ def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Seq
     """Token mean of the reverse KL over all batches (no gradients)."""
     total, tokens = 0.0, 0
     for batch, th in zip(batches, hidden):
-        hs = student.hidden_states(batch.input_ids, batch.attention_mask)[batch.loss_mask]
+        hs = batch.hidden(student)
         total += float(reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk))
         tokens += batch.num_tokens
     return total / max(tokens, 1)
+
+
+def use_packing(model, packing: str) -> bool:
+    """Whether micro-batches are packed: ``packed`` / ``padded``, or ``auto`` = packed exactly
+    when the attention is flash-attention 2 (varlen kernels: no padding computed anywhere). SDPA
+    can run packed rows too, but through a block-diagonal mask over the whole row, which costs
+    more attention than the padding it saves."""
+    if packing == "auto":
+        return model.attn_implementation.startswith("flash_attention")
+    return packing == "packed"
+
+
+def make_micro_batches(rollouts, plan: list[list[list[int]]], pad_id: int, device, packed: bool) -> dict[tuple[int, ...], TokenBatch]:
+    """The round's micro-batches, keyed by their rollout indices, in plan order."""
+    out = {}
+    for mini in plan:
+        for idx in mini:
+            prompts = [rollouts.prompt_ids[i] for i in idx]
+            responses = [rollouts.response_ids[i] for i in idx]
+            out[tuple(idx)] = (
+                make_packed_batch(prompts, responses, device) if packed else make_batch(prompts, responses, pad_id, device)
+            )
+    return out
+
+
+def teacher_pass(teacher, batches: dict[tuple[int, ...], TokenBatch], teacher_batch: int | None = None) -> dict[tuple[int, ...], torch.Tensor]:
+    """The teacher's final hidden states at every response position, per micro-batch: the round's
+    only teacher forward (the loss and the scoring cache both read from it)."""
+    return {key: teacher_hidden(teacher, b, teacher_batch) for key, b in batches.items()}
 
 
 def local_opd(
@@ -220,32 +249,38 @@ def local_opd(
     total_steps: int,
     optimizer_state: dict[str, np.ndarray] | None = None,
     teacher_batch: int | None = None,
+    batches: dict[tuple[int, ...], TokenBatch] | None = None,
+    hidden: dict[tuple[int, ...], torch.Tensor] | None = None,
 ) -> OPDResult:
     """One epoch of on-policy distillation of ``student`` (LoRA at θ_t) towards ``teacher``.
 
     ``settings`` is a :class:`fedopd.config.TrainSettings`; ``step_offset`` the number of local
-    steps this client took in earlier rounds (the cosine schedule's position). Metrics:
-    ``loss`` (mean mini-batch loss), ``kl_before`` / ``kl_after`` (token-mean reverse KL on these
-    rollouts with θ_t and with the result), ``steps``, ``tokens``, ``lr_first`` / ``lr_last``
-    (learning rates of the round's first and last step), ``teacher_s``, ``train_s``.
+    steps this client took in earlier rounds (the cosine schedule's position). ``batches`` and
+    ``hidden``: the micro-batches (:func:`make_micro_batches`) and the teacher's hidden states
+    on them (:func:`teacher_pass`) when the caller already has them; else they are made here.
+
+    Metrics come from the passes the epoch makes anyway: ``loss`` (mean mini-batch loss),
+    ``loss_first`` (the first mini-batch's, at θ_t) and ``loss_last``, ``steps``, ``tokens``,
+    ``lr_first`` / ``lr_last``, ``teacher_s``, ``train_s``. With ``settings.exact_kl`` also
+    ``kl_before`` / ``kl_after``: the token-mean reverse KL on all the round's rollouts with θ_t
+    and with the result (two extra student passes over the data; off by default).
     """
     if len(rollouts) == 0:
         raise ValueError("local_opd: no rollouts to train on")
-    pad = student.tokenizer.pad_token_id or 0
-    device = student.device
     plan = micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch)
-    batches = {
-        tuple(idx): make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.response_ids[i] for i in idx], pad, device)
-        for mini in plan
-        for idx in mini
-    }
+    if batches is None:
+        pad = student.tokenizer.pad_token_id or 0
+        batches = make_micro_batches(rollouts, plan, pad, student.device, use_packing(student, settings.packing))
 
     t0 = time.perf_counter()
-    hidden = {key: teacher_hidden(teacher, b, teacher_batch) for key, b in batches.items()}
+    if hidden is None:
+        hidden = teacher_pass(teacher, batches, teacher_batch)
     t1 = time.perf_counter()
 
     chunk = settings.loss_chunk
-    kl_before = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
+    exact = {}
+    if settings.exact_kl:
+        exact["kl_before"] = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
 
     if settings.gradient_checkpointing:
         enable_activation_checkpointing(student.causal_lm)
@@ -264,14 +299,16 @@ def local_opd(
     student.model.eval()
     t2 = time.perf_counter()
 
-    kl_after = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
+    if settings.exact_kl:
+        exact["kl_after"] = mean_reverse_kl(student, teacher, list(batches.values()), list(hidden.values()), chunk)
     return OPDResult(
         arrays=student.get_lora_arrays(),
         optimizer_state=optimizer_state_to_arrays(optimizer),
         metrics={
             "loss": float(np.mean(losses)),
-            "kl_before": kl_before,
-            "kl_after": kl_after,
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            **exact,
             "steps": len(plan),
             "tokens": int(sum(b.num_tokens for b in batches.values())),
             "lr_first": rates[0],

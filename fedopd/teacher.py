@@ -20,18 +20,31 @@ import torch
 
 @dataclass
 class TokenBatch:
-    """Right-padded prompt+response sequences of a micro-batch.
+    """The prompt+response sequences of a micro-batch, right-padded or packed.
 
-    input_ids, attention_mask: (B, T) int64. loss_mask: (B, T) bool, True at response positions.
+    Padded: input_ids, attention_mask (B, T) int64, ``position_ids`` None. Packed (padding-free):
+    the sequences concatenated into one row, input_ids (1, ΣT), ``attention_mask`` None and
+    ``position_ids`` (1, ΣT) restarting at 0 for each sequence. loss_mask: True at response
+    positions, same shape as input_ids. Both layouts list the response positions in the same
+    (sequence, position) order.
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
+
+    def hidden(self, model) -> torch.Tensor:
+        """``model``'s final hidden states at this batch's response positions, (N, H)."""
+        return model.hidden_states(self.input_ids, self.attention_mask, self.position_ids)[self.loss_mask]
 
 
 def make_batch(
@@ -56,6 +69,28 @@ def make_batch(
     return TokenBatch(ids.to(device), att.to(device), loss.to(device))
 
 
+def make_packed_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
+) -> TokenBatch:
+    """The sequences of :func:`make_batch` concatenated into one padding-free row."""
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError(f"make_packed_batch: {len(prompt_ids)} prompts for {len(response_ids)} responses")
+    ids, pos, loss = [], [], []
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        if not p:
+            raise ValueError(f"make_packed_batch: prompt {i} is empty")
+        n = len(p) + len(r)
+        ids.extend(list(p) + list(r))
+        pos.extend(range(n))
+        mask = [False] * n
+        mask[len(p) - 1 : len(p) - 1 + len(r)] = [True] * len(r)
+        loss.extend(mask)
+    as_row = lambda values, dtype: torch.tensor([values], dtype=dtype).to(device)  # noqa: E731
+    return TokenBatch(as_row(ids, torch.long), None, as_row(loss, torch.bool), as_row(pos, torch.long))
+
+
 @torch.no_grad()
 def teacher_hidden(teacher, batch: TokenBatch, max_rows: int | None = None) -> torch.Tensor:
     """The teacher's final hidden states at response positions, (N, H_teacher).
@@ -63,6 +98,8 @@ def teacher_hidden(teacher, batch: TokenBatch, max_rows: int | None = None) -> t
     ``max_rows`` sequences go through the teacher at a time (``model.teacher-batch``), so its
     activations fit beside the student and the rollout engine on one GPU.
     """
+    if batch.packed:  # one padding-free row: nothing to slice
+        return batch.hidden(teacher)
     rows = batch.input_ids.shape[0]
     step = max_rows or rows
     parts = []

@@ -20,7 +20,9 @@ round record; if no candidate is feasible it holds (a = 0).
 
 from __future__ import annotations
 
+
 import math
+import time
 from logging import INFO, WARNING
 from typing import Iterable, Sequence
 
@@ -91,7 +93,9 @@ class FedTOPS(ReplyScreening, FedAvg):
         theta = self.theta_arrays()
         delta = increment(from_record(mean), theta)
         nodes = [c["node-id"] for c in record["clients"]]
+        started = time.perf_counter()
         scores = self.query_scores(server_round, delta, nodes)
+        record["score_seconds"] = time.perf_counter() - started
 
         record["candidates"] = list(self.candidates)
         record["scored-node-ids"] = [node for node, _, _, _ in scores]

@@ -57,9 +57,12 @@ def round_summary(record: dict, num_rounds: int) -> str:
     feasible = f"{record['num-feasible']}/{len(record['candidates'])}" if "num-feasible" in record else "-"
     clients = record.get("clients", [])
     kl = "-"
-    if clients:
-        before = sum(c["kl_before"] for c in clients) / len(clients)
-        after = sum(c["kl_after"] for c in clients) / len(clients)
+    # The exact KL over all rollouts when train.exact-kl asks for it, else the OPD loss of the
+    # round's first (at θ_t) and last mini-batch, which the epoch computes anyway.
+    first, last, what = ("kl_before", "kl_after", "KL") if clients and "kl_before" in clients[0] else ("loss_first", "loss_last", "loss")
+    if clients and all(first in c and last in c for c in clients):
+        before = sum(c[first] for c in clients) / len(clients)
+        after = sum(c[last] for c in clients) / len(clients)
         kl = f"{before:.4f} -> {after:.4f}"
     flags = "".join(
         [" (fallback: no score replies)" if record.get("fallback") else "",
@@ -68,7 +71,7 @@ def round_summary(record: dict, num_rounds: int) -> str:
     a = "-" if a is None else f"{a:g}"
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
-        f"feasible {feasible} | client KL {kl}{evaluation_summary(record.get('evaluation'))} | "
+        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))} | "
         f"{record.get('seconds', 0.0):.1f} s{flags}"
     )
 

@@ -28,7 +28,7 @@ def round_result(tiny_pair):
         prompts,
         rollout=dataclasses.replace(cfg.rollout, per_round=16, max_new_tokens=24),
         cache=cfg.cache,
-        train=dataclasses.replace(cfg.train, lr=2e-3),
+        train=dataclasses.replace(cfg.train, lr=2e-3, exact_kl=True),
         server_round=1,
         seed=42,
         step_offset=0,

@@ -1,0 +1,192 @@
+"""What a client round computes, and how often (SPEC §2.2; no pass only for a metric).
+
+The teacher runs once per rollout per round and the scoring cache reads its rows from that pass;
+the candidates are scored together in one batched pass that equals one forward per candidate;
+packed (padding-free) micro-batches give the padded loss and gradient; the exact before/after KL
+over all rollouts is opt-in. References are independent forwards on the tiny models.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from fedopd.cache import build_scoring_cache, score_candidates
+from fedopd.config import CacheSettings, parse_run_config
+from fedopd.data import encode_prompts, tiny_arith_partition
+from fedopd.lora import increment
+from fedopd.opd import micro_batches, minibatch_gradient, make_micro_batches, teacher_pass, use_packing
+from fedopd.rollout import HFRolloutEngine, Rollouts
+from fedopd.round import ClientModels, train_round
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[258, 70, 71, 72, 73], [258, 80, 81], [258, 40], [258, 50, 51, 52]]
+RESPONSES = [[60, 61, 62, 63, 64, 65, 66], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101], [30, 31], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture()
+def lora_student(tiny_pair):
+    """The tiny student with random non-zero LoRA factors, restored afterwards."""
+    student, teacher = tiny_pair
+    original = student.get_lora_arrays()
+    rng = np.random.default_rng(7)
+    theta = {n: 0.2 * rng.standard_normal(a.shape).astype(np.float32) for n, a in original.items()}
+    student.set_lora_arrays(theta)
+    yield student, teacher, theta
+    student.set_lora_arrays(original)
+
+
+class Counter:
+    """Counts the sequences (rows) and calls that go through ``lm.hidden_states``."""
+
+    def __init__(self, lm, monkeypatch):
+        self.rows, self.calls = 0, 0
+        original = lm.hidden_states
+
+        def counted(input_ids, attention_mask=None, position_ids=None):
+            self.calls += 1
+            self.rows += int(input_ids.shape[0]) if position_ids is None else int((position_ids == 0).sum())
+            return original(input_ids, attention_mask, position_ids)
+
+        monkeypatch.setattr(lm, "hidden_states", counted)
+
+
+def _round(student, teacher, train_overrides, monkeypatch, build_cache=True):
+    cfg = parse_run_config(TINY)
+    models = ClientModels(student, teacher, HFRolloutEngine(student))
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
+    theta = student.get_lora_arrays()
+    rollout = dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16)
+    # Count only after generation (HF generate runs the student's body through its own path).
+    original_generate = models.rollout.generate
+    counts = {}
+
+    def generate_then_count(*args, **kwargs):
+        out = original_generate(*args, **kwargs)
+        counts["student"], counts["teacher"] = Counter(student, monkeypatch), Counter(teacher, monkeypatch)
+        return out
+
+    monkeypatch.setattr(models.rollout, "generate", generate_then_count)
+    out = train_round(
+        models, theta, prompts, rollout=rollout, cache=CacheSettings(rollouts=4, positions=4, top_k=4),
+        train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=2, **train_overrides),
+        server_round=1, seed=42, step_offset=0, total_steps=4, build_cache=build_cache,
+    )
+    return out, counts["student"], counts["teacher"]
+
+
+def test_the_teacher_runs_once_per_rollout_per_round(tiny_pair, monkeypatch):
+    out, _, teacher = _round(*tiny_pair, {}, monkeypatch)
+    assert out.cache is not None
+    assert teacher.rows == 8  # the 8 rollouts, once: the 4 cached ones are not run again
+
+
+def test_the_round_makes_no_student_pass_only_for_a_metric_by_default(tiny_pair, monkeypatch):
+    out, student, _ = _round(*tiny_pair, {}, monkeypatch)
+    # 4 cached rollouts (π̃_t, before any step) + 8 rollouts trained on, once each.
+    assert student.rows == 4 + 8
+    assert "kl_before" not in out.metrics and "kl_after" not in out.metrics
+    assert np.isfinite(out.metrics["loss_first"]) and np.isfinite(out.metrics["loss_last"])
+
+
+def test_exact_kl_before_and_after_is_opt_in_and_costs_two_passes(tiny_pair, monkeypatch):
+    out, student, _ = _round(*tiny_pair, {"exact_kl": True}, monkeypatch)
+    assert student.rows == 4 + 8 + 2 * 8
+    assert out.metrics["kl_before"] > 0 and out.metrics["kl_after"] > 0
+
+
+def test_without_a_cache_the_round_runs_no_cache_pass(tiny_pair, monkeypatch):
+    out, student, teacher = _round(*tiny_pair, {}, monkeypatch, build_cache=False)
+    assert out.cache is None and student.rows == 8 and teacher.rows == 8
+
+
+def test_cache_teacher_rows_from_the_round_pass_equal_a_teacher_forward_on_the_cached_rollouts(lora_student):
+    student, teacher, _ = lora_student
+    rollouts = Rollouts(PROMPTS, RESPONSES, [False] * 4)
+    settings = CacheSettings(rollouts=2, positions=3, top_k=3)
+    plan = micro_batches(4, 4, 2)
+    hidden = teacher_pass(teacher, make_micro_batches(rollouts, plan, 0, student.device, packed=False))
+    from_pass = build_scoring_cache(student, teacher, rollouts, settings, seed=3, teacher_hidden=torch.cat(list(hidden.values())))
+    direct = build_scoring_cache(student, teacher, rollouts, settings, seed=3)
+    assert not np.array_equal(from_pass.positions[:, 0], np.zeros_like(from_pass.positions[:, 0]))  # two rollouts
+    np.testing.assert_array_equal(from_pass.token_ids, direct.token_ids)
+    np.testing.assert_allclose(from_pass.teacher, direct.teacher, atol=1e-6)
+    np.testing.assert_array_equal(from_pass.student, direct.student)
+
+
+@pytest.mark.parametrize("per_pass", [None, 4, 1])
+def test_batched_candidate_scores_equal_one_forward_per_candidate(lora_student, per_pass):
+    student, teacher, theta = lora_student
+    rollouts = Rollouts(PROMPTS, RESPONSES, [False] * 4)
+    cache = build_scoring_cache(student, teacher, rollouts, CacheSettings(rollouts=3, positions=4, top_k=3), seed=1)
+    rng = np.random.default_rng(11)
+    delta = {n: 0.05 * rng.standard_normal(a.shape).astype(np.float32) for n, a in theta.items()}
+    candidates = [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+
+    student.model.eval()
+    batched = score_candidates(student, cache, theta, delta, candidates, candidates_per_pass=per_pass)
+    student.set_lora_arrays(theta)
+    sequential = score_candidates(student, cache, theta, delta, candidates, batched=False)
+    np.testing.assert_allclose(batched, sequential, rtol=1e-5, atol=1e-7)
+    assert len(set(np.round(batched[0], 6))) == len(candidates)  # every candidate scored under its own adapter
+
+
+def test_batched_scoring_leaves_the_trained_adapter_active_and_alone_trainable(lora_student):
+    student, teacher, theta = lora_student
+    rollouts = Rollouts(PROMPTS[:2], RESPONSES[:2], [False] * 2)
+    cache = build_scoring_cache(student, teacher, rollouts, CacheSettings(rollouts=2, positions=4, top_k=3), seed=1)
+    trainable = [id(p) for p in student.lora_parameters()]
+    delta = {n: np.full(a.shape, 0.01, np.float32) for n, a in theta.items()}
+    student.model.eval()
+    score_candidates(student, cache, theta, delta, [1.0, 3.0])
+    assert [id(p) for p in student.lora_parameters()] == trainable
+    for name, a in student.get_lora_arrays().items():
+        np.testing.assert_array_equal(a, theta[name])
+    with torch.no_grad():  # the forward uses θ_t, not a candidate
+        ids = torch.tensor([PROMPTS[0] + RESPONSES[0]])
+        now = student.hidden_states(ids, torch.ones_like(ids))
+    student.set_lora_arrays(theta)
+    with torch.no_grad():
+        again = student.hidden_states(ids, torch.ones_like(ids))
+    torch.testing.assert_close(now, again, rtol=0, atol=0)
+
+
+def test_packed_micro_batches_give_the_padded_loss_and_gradient(lora_student):
+    student, teacher, _ = lora_student
+    rollouts = Rollouts(PROMPTS, RESPONSES, [False] * 4)
+    plan = micro_batches(4, 4, 2)  # one mini-batch of two micro-batches of unequal length
+
+    def loss_and_grad(packed):
+        batches = make_micro_batches(rollouts, plan, 0, student.device, packed=packed)
+        hidden = teacher_pass(teacher, batches)
+        params = student.lora_parameters()
+        for p in params:
+            p.grad = None
+        loss = minibatch_gradient(student, teacher, list(batches.values()), list(hidden.values()), 1024)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return loss, grads, batches
+
+    padded_loss, padded_grads, padded = loss_and_grad(False)
+    packed_loss, packed_grads, packed = loss_and_grad(True)
+    assert all(b.packed and b.input_ids.shape[0] == 1 for b in packed.values())
+    assert sum(b.input_ids.numel() for b in packed.values()) < sum(b.input_ids.numel() for b in padded.values())
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    for g_packed, g_padded in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(g_packed, g_padded, rtol=1e-4, atol=1e-6)
+
+
+def test_packing_auto_means_packed_exactly_with_flash_attention(tiny_pair):
+    student, _ = tiny_pair
+    assert student.attn_implementation == "sdpa"
+    assert not use_packing(student, "auto")
+    assert use_packing(student, "packed") and not use_packing(student, "padded")
+
+    class FlashModel:
+        attn_implementation = "flash_attention_2"
+
+    assert use_packing(FlashModel(), "auto")
