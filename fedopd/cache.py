@@ -217,9 +217,6 @@ def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[floa
     return float(teacher_score), float(change_score)
 
 
-CANDIDATE_ADAPTER = "fedtops-candidate-{}"
-
-
 def score_candidates(
     student,
     cache: ScoringCache,
@@ -233,11 +230,12 @@ def score_candidates(
     """Ĵ_i(a) and K̂_i(a) for each multiplier a, the student's LoRA at θ_t + aΔ.
 
     ``batched`` (default): the candidates are scored together, their cached sequences stacked on
-    the batch dimension, each row under its candidate's adapter (PEFT mixed-adapter batches);
+    the batch dimension with each candidate's factors (:meth:`fedopd.models.CausalLM.stacked_factors`),
     ``candidates_per_pass`` candidates per forward pass (None: all). The LM head runs only at the
     cached positions, and softmax, S and the tail are computed on the model's device. Otherwise
     one forward per candidate through the trained adapter (the reference path; it leaves that
     adapter at the last candidate, so callers load the factors they need before their next use).
+    The batched path leaves the adapter untouched.
     """
     if not batched:
         teacher_scores, change_scores = [], []
@@ -249,16 +247,13 @@ def score_candidates(
         return teacher_scores, change_scores
 
     per_pass = max(1, candidates_per_pass or len(multipliers))
-    names = student.load_extra_adapters(
-        {CANDIDATE_ADAPTER.format(i): apply_increment(theta, increment, a) for i, a in enumerate(multipliers)}
-    )
     token_ids = torch.from_numpy(cache.token_ids)
     n = cache.num_positions
     teacher_scores, change_scores = [], []
-    for start in range(0, len(names), per_pass):
-        group = names[start : start + per_pass]
+    for start in range(0, len(multipliers), per_pass):
+        group = [apply_increment(theta, increment, a) for a in multipliers[start : start + per_pass]]
         with torch.no_grad():
-            logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions, adapters=group)
+            logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions, stacked=group)
             coarse = coarsen_logits(logits, token_ids.to(logits.device).repeat(len(group), 1))
         for c in range(len(group)):
             j, k = candidate_scores(cache, coarse[c * n : (c + 1) * n])
@@ -267,11 +262,11 @@ def score_candidates(
     return teacher_scores, change_scores
 
 
-def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, adapters: Sequence[str] | None = None):
+def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, stacked: Sequence[Mapping[str, np.ndarray]] | None = None):
     """fp32 logits (N, V) at ``positions``, on the model's device (the head runs only there, in fp32).
 
-    ``adapters``: stack the sequences once per adapter name on the batch dimension, each copy
-    under its adapter; the result is then (len(adapters) · N, V), adapter-major.
+    ``stacked``: factor sets; the sequences are repeated once per set on the batch dimension, each
+    copy under its set, and the result is (len(stacked) · N, V), set-major.
     """
     ids = torch.from_numpy(input_ids).to(model.device)
     att = torch.from_numpy(mask).to(model.device)
@@ -279,13 +274,11 @@ def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.nda
     width = int(positions[:, 1].max()) + 1
     ids, att = ids[:, :width], att[:, :width]
     pos = torch.from_numpy(positions).to(model.device)
-    if adapters is None:
+    if stacked is None:
         hidden = model.hidden_states(ids, att)
         return model.logits(hidden[pos[:, 0], pos[:, 1]])
-    rows = ids.shape[0]
-    c = len(adapters)
-    hidden = model.hidden_states_per_adapter(
-        ids.repeat(c, 1), att.repeat(c, 1), [name for name in adapters for _ in range(rows)]
-    )
+    rows, c = ids.shape[0], len(stacked)
+    with model.stacked_factors(stacked):
+        hidden = model.hidden_states(ids.repeat(c, 1), att.repeat(c, 1))
     seq = torch.cat([pos[:, 0] + i * rows for i in range(c)])
     return model.logits(hidden[seq, pos[:, 1].repeat(c)])

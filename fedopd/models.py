@@ -12,12 +12,12 @@ positions) or chunk by chunk (the OPD loss).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -136,16 +136,36 @@ class CausalLM:
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
 
-    def hidden_states_per_adapter(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter_names: Sequence[str]
-    ) -> torch.Tensor:
-        """:meth:`hidden_states` with row b computed under the LoRA adapter ``adapter_names[b]``.
+    @contextmanager
+    def stacked_factors(self, factor_sets: Sequence[Mapping[str, np.ndarray]]) -> Iterator[None]:
+        """Inside this context, a forward over C·R rows runs rows [c·R, (c+1)·R) under ``factor_sets[c]``.
 
-        PEFT's mixed-adapter batches: the base projections run once for the whole batch, each
-        adapter's low-rank term only on its rows. Inference only (the model must be in eval mode).
+        Candidate factors stacked on the batch dimension: every LoRA layer computes its base
+        projection once for all C·R rows and its low-rank term as two batched matmuls over the C
+        factor sets, (C, R·T, in) @ A_cᵀ @ B_cᵀ · scaling, exactly PEFT's arithmetic per set
+        (input cast to the factors' fp32, sum rounded to the layer's dtype). Inference only.
         """
-        with self.model._enable_peft_forward_hooks(adapter_names=list(adapter_names)):
-            return self.hidden_states(input_ids, attention_mask)
+        params = self.factor_parameters()
+        for i, factors in enumerate(factor_sets):
+            problem = name_mismatch(list(params), list(factors))
+            if problem:
+                raise ValueError(f"factor set {i} does not match the adapter of '{self.name}': {problem}")
+        modules: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in params.items():
+            head, _, _ = name.rpartition(".")  # ...q_proj.lora_A
+            path, _, kind = head.rpartition(".")
+            stacked = np.stack([np.asarray(f[name], dtype=np.float32) for f in factor_sets])
+            modules.setdefault(path, {})[kind] = torch.from_numpy(stacked).to(param.device, param.dtype)
+        patched = []
+        try:
+            for path, factors in modules.items():
+                module = self.model.get_submodule(path)
+                module.forward = _stacked_lora_forward(module, factors["lora_A"], factors["lora_B"], module.scaling["default"])
+                patched.append(module)
+            yield
+        finally:
+            for module in patched:
+                del module.forward
 
     @property
     def attn_implementation(self) -> str:
@@ -160,8 +180,8 @@ class CausalLM:
         they need it (cached positions, one loss chunk at a time).
         """
         head = self.causal_lm.get_output_embeddings()
-        bias = head.bias[: self.logit_width].float() if head.bias is not None else None
-        out = F.linear(hidden.float(), head.weight[: self.logit_width].float(), bias)
+        bias = head.bias[: self.logit_width] if head.bias is not None else None
+        out = fp32_head(hidden, head.weight[: self.logit_width], bias)
         cap = getattr(self.causal_lm.config, "final_logit_softcapping", None)
         if cap:
             out = torch.tanh(out / cap) * cap
@@ -227,29 +247,68 @@ class CausalLM:
     def lora_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def load_extra_adapters(self, named_arrays: Mapping[str, Mapping[str, np.ndarray]]) -> list[str]:
-        """Load frozen extra adapters (same config as the trained one) under the given names.
-
-        ``named_arrays`` maps an adapter name to its factors, named as for :meth:`set_lora_arrays`
-        (the trained adapter's names). Adapters are created on first use and kept for the process,
-        so repeated calls only copy factors. The trained adapter stays the active one, and its
-        parameters stay the only trainable ones. Returns the names, in order.
-        """
-        names = list(named_arrays)
-        for name in names:
-            if name == "default":
-                raise ValueError("extra adapters may not be named 'default' (the trained adapter)")
-            if name not in self.model.peft_config:
-                self.model.add_adapter(name, copy.deepcopy(self.lora_config))
-                for param in self.factor_parameters(name).values():
-                    param.requires_grad_(False)
-            self.set_lora_arrays(named_arrays[name], adapter=name)
-        return names
-
     @property
     def lora_config(self):
         """The adapter's ``peft.LoraConfig``."""
         return self.model.peft_config["default"]
+
+
+@contextmanager
+def _tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """TF32 tensor-core matmuls inside (CUDA), restored afterwards."""
+    if not enabled:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+class _FP32Head(torch.autograd.Function):
+    """``hidden @ weightᵀ (+ bias)`` with an fp32 output, for a frozen head (no weight gradient).
+
+    bf16 and fp16 values are exactly representable in TF32 (8 exponent, 10 mantissa bits), so for a
+    half-precision model on CUDA the forward runs on TF32 tensor cores with fp32 accumulation and
+    gives the logits of an fp32 matmul of the same values, several times faster (README: loss
+    benchmark). The backward, whose incoming gradient is fp32, uses TF32 as well: it feeds a
+    half-precision backward pass. fp32 models (the CPU path) compute in plain fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        half = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
+        ctx.save_for_backward(weight)
+        ctx.half, ctx.hidden_dtype = half, hidden.dtype
+        with _tf32_matmuls(half):
+            return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        with _tf32_matmuls(ctx.half):
+            grad_hidden = grad.float() @ weight.float()
+        return grad_hidden.to(ctx.hidden_dtype), None, None
+
+
+def fp32_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits in fp32 from hidden states (..., H) and a frozen head weight (V, H): see :class:`_FP32Head`."""
+    return _FP32Head.apply(hidden, weight, bias)
+
+
+def _stacked_lora_forward(module, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float):
+    """A LoRA Linear's forward with C factor sets (C, r, in) and (C, out, r) over C row blocks."""
+    a_t, b_t = lora_a.transpose(1, 2).contiguous(), lora_b.transpose(1, 2).contiguous()  # (C, in, r), (C, r, out)
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = module.base_layer(x, *args, **kwargs)
+        xs = x.to(a_t.dtype).reshape(a_t.shape[0], -1, x.shape[-1])
+        low_rank = torch.bmm(torch.bmm(xs, a_t), b_t) * scaling
+        return (result + low_rank.reshape(result.shape)).to(result.dtype)
+
+    return forward
 
 
 def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | None = None) -> CausalLM:

@@ -71,8 +71,45 @@ def test_client_round_on_cuda_with_the_hf_engine():
     theta = models.student.get_lora_arrays()
     out = train_round(
         models, theta, prompts, rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
-        cache=cfg.cache, train=cfg.train, server_round=1, seed=1, step_offset=0, total_steps=2, teacher_batch=2,
+        cache=cfg.cache, train=dataclasses.replace(cfg.train, exact_kl=True), server_round=1, seed=1, step_offset=0,
+        total_steps=2, teacher_batch=2,
     )
     assert out.metrics["kl_after"] < out.metrics["kl_before"]
     j, k = score_round(models, theta, increment(out.arrays, theta), out.cache, [0.0, 1.0])
     assert k[0] == pytest.approx(0.0, abs=1e-6)
+
+
+@needs_cuda
+def test_fp32_head_on_bf16_cuda_gives_the_fp32_product_of_the_bf16_values():
+    from fedopd.models import fp32_head
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(64, 256, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w = torch.randn(1000, 256, device="cuda", generator=g).bfloat16()
+    saved = torch.backends.cuda.matmul.allow_tf32
+    out = fp32_head(h, w)
+    assert out.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 == saved
+    reference = h.detach().double() @ w.double().T
+    torch.testing.assert_close(out.double(), reference, rtol=1e-6, atol=1e-4)
+    assert ((h.detach() @ w.T).double() - reference).abs().max() > 1e-2  # bf16 logits would be told apart
+    out.sum().backward()
+    torch.testing.assert_close(h.grad.double(), w.double().sum(0).expand(64, -1), rtol=1e-2, atol=1e-2)
+
+
+@needs_cuda
+def test_batched_candidate_scores_on_cuda_equal_one_pass_per_candidate():
+    from fedopd.cache import build_scoring_cache, score_candidates
+    from fedopd.config import CacheSettings, LoraSettings
+    from fedopd.models import load_pair
+    from fedopd.rollout import Rollouts
+
+    student, teacher = load_pair("builtin:tiny-student", "builtin:tiny-teacher", lora=LoraSettings(), seed=0)
+    rng = np.random.default_rng(3)
+    theta = {n: 0.2 * rng.standard_normal(a.shape).astype(np.float32) for n, a in student.get_lora_arrays().items()}
+    delta = {n: 0.05 * rng.standard_normal(a.shape).astype(np.float32) for n, a in theta.items()}
+    student.set_lora_arrays(theta)
+    rollouts = Rollouts([[258, 70, 71], [258, 80]], [[60, 61, 62, 63, 64], [90, 91, 92, 93, 94, 95]], [False, False])
+    cache = build_scoring_cache(student, teacher, rollouts, CacheSettings(rollouts=2, positions=4, top_k=3), seed=0)
+    batched = score_candidates(student, cache, theta, delta, [0.5, 1.0, 3.0, 10.0])
+    sequential = score_candidates(student, cache, theta, delta, [0.5, 1.0, 3.0, 10.0], batched=False)
+    np.testing.assert_allclose(batched, sequential, rtol=2e-2, atol=1e-4)  # bf16 base layers, batched differently

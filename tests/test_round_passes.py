@@ -190,3 +190,18 @@ def test_packing_auto_means_packed_exactly_with_flash_attention(tiny_pair):
         attn_implementation = "flash_attention_2"
 
     assert use_packing(FlashModel(), "auto")
+
+
+def test_fp32_head_gives_fp32_logits_and_the_gradient_of_a_plain_linear():
+    from fedopd.models import fp32_head
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 8, generator=g).bfloat16().requires_grad_(True)
+    w = torch.randn(11, 8, generator=g).bfloat16()
+    out = fp32_head(h, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), h.detach().double() @ w.double().T, rtol=1e-6, atol=1e-6)
+    upstream = torch.randn(5, 11, generator=g)
+    out.backward(upstream)
+    assert h.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(h.grad.double(), (upstream.double() @ w.double()).bfloat16().double(), rtol=1e-2, atol=1e-2)
