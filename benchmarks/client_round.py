@@ -351,7 +351,9 @@ def _free_bytes() -> int:
 
 
 def bench_loss(args) -> None:
-    cases = ["app", "chunked", "unchunked"] + (["liger-bf16", "liger-fp32"] if args.liger else [])
+    # On CPU "chunked" (plain fp32 head) is the app's own path, so it is not repeated.
+    cases = ["app", "unchunked"] + (["chunked"] if torch.cuda.is_available() else [])
+    cases += ["liger-bf16", "liger-fp32"] if args.liger else []
     print(f"\n== reverse-KL loss, forward+backward, H = {args.hidden}, V = {args.vocab}, chunk = {args.chunk} ==")
     print(f"  {'positions':>9s}  {'case':<10s}  {'peak':>11s}  {'seconds':>8s}  {'loss / token':>13s}")
     for positions in args.positions:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Mapping
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -111,10 +112,12 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         raise ValueError(f"score query: the increment does not fit the adapter: {problem}")
     cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
     candidates = [float(a) for a in content["config"]["candidates"]]
+    started = time.perf_counter()
     teacher_scores, change_scores = score_round(models, theta, delta, cache, candidates)
 
     metrics = MetricRecord(
-        {"teacher-scores": teacher_scores, "change-scores": change_scores, "num-examples": len(prompts), "partition-id": pid}
+        {"teacher-scores": teacher_scores, "change-scores": change_scores, "num-examples": len(prompts),
+         "partition-id": pid, "score_s": time.perf_counter() - started}
     )
     return RecordDict({"scores": metrics})
 

@@ -14,13 +14,14 @@ resolved configuration as JSON with the run-config key names.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,7 @@ EVAL_DATASETS = ("sandbox",)  # with held-out problems per client
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 PACKING = ("auto", "packed", "padded")
+UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
 STRATEGIES = ("fedavg", "fixed", "fedtops", "local", "centralized")
 
 
@@ -94,7 +96,7 @@ class TrainSettings:
 @dataclass(frozen=True)
 class StrategyConfig:
     name: str = "fedtops"
-    multiplier: float = 1.0
+    multiplier: float = -1.0  # UNSET_MULTIPLIER: 'fixed' needs an explicit a >= 0
     candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
     trust_budget: float = 0.05
 
@@ -130,6 +132,11 @@ class TimeoutSettings:
 
 
 @dataclass(frozen=True)
+class LoggingSettings:
+    tensorboard: bool = False  # also write the per-round scalars to <run folder>/tensorboard
+
+
+@dataclass(frozen=True)
 class RunConfig:
     num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
@@ -146,6 +153,7 @@ class RunConfig:
     cache: CacheSettings = CacheSettings()
     eval: EvalSettings = EvalSettings()
     timeout: TimeoutSettings = TimeoutSettings()
+    logging: LoggingSettings = LoggingSettings()
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "RunConfig":
@@ -254,7 +262,9 @@ _key("train.gradient-checkpointing", "train.gradient_checkpointing", _bool())
 _key("train.packing", "train.packing", _choice(PACKING))
 _key("train.exact-kl", "train.exact_kl", _bool())
 _key("strategy.name", "strategy.name", _choice(STRATEGIES))
-_key("strategy.multiplier", "strategy.multiplier", _float(0.0, strict=False))
+_key("strategy.multiplier", "strategy.multiplier",
+     (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER),
+      "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"))
 _key("strategy.candidates", "strategy.candidates",
      (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"))
 _key("strategy.trust-budget", "strategy.trust_budget", _float(0.0, strict=False))
@@ -270,12 +280,14 @@ _key("eval.max-new-tokens", "eval.max_new_tokens", _int(1))
 _key("timeout.train", "timeout.train", _float(0.0, strict=True))
 _key("timeout.score", "timeout.score", _float(0.0, strict=True))
 _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
+_key("logging.tensorboard", "logging.tensorboard", _bool())
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
 # Keys that may differ between a run and its resumption: they change no adapter and no record.
 # num-server-rounds may grow (the remaining rounds then follow the longer cosine schedule).
-RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate")
+RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate",
+                    "logging.tensorboard")
 
 
 def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
@@ -337,9 +349,12 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     """Validate a flat run-config dict (missing keys take the dataclass defaults)."""
     unknown = sorted(set(run_config) - set(_KEYS))
     if unknown:
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, RUN_CONFIG_KEYS, n=1, cutoff=0.6)
+            named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(
-            f"unknown run config key(s) {', '.join(repr(k) for k in unknown)}; "
-            f"allowed keys: {', '.join(RUN_CONFIG_KEYS)}"
+            f"unknown run config key(s) {', '.join(named)}; allowed keys: {', '.join(RUN_CONFIG_KEYS)}"
         )
     values: dict[tuple[str, ...], Any] = {}
     for key, raw in run_config.items():
@@ -374,6 +389,11 @@ def _candidates_from_seq(raw: Any) -> tuple[float, ...]:
 
 
 def _check_cross(cfg: RunConfig) -> None:
+    if cfg.strategy.name == "fixed" and cfg.strategy.multiplier == UNSET_MULTIPLIER:
+        raise ConfigError(
+            "run config 'strategy.multiplier' is not set, and 'strategy.name' = 'fixed' needs it; "
+            "allowed: a finite number >= 0, e.g. --run-config \"strategy.name='fixed' strategy.multiplier=3.0\""
+        )
     t = cfg.train
     if t.mini_batch % t.micro_batch:
         raise ConfigError(
@@ -390,6 +410,17 @@ def _check_cross(cfg: RunConfig) -> None:
         raise ConfigError(
             f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "
             f"{cfg.rollout.per_round}; allowed: at most the number of rollouts per round"
+        )
+
+
+def check_server_requirements(cfg: RunConfig) -> None:
+    """What the ServerApp's host needs beyond the core install, checked before round 1."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "run config 'logging.tensorboard' = true needs the tensorboard package on the ServerApp's host; "
+            "allowed: false, or install it with pip install -e '.[tensorboard]'"
         )
 
 
@@ -438,16 +469,40 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def overrides_from_args(values: Sequence[str]) -> dict[str, Any]:
+    """``--run-config`` values exactly as ``flwr run`` reads them (Flower's own parser): key=value
+    pairs in TOML syntax, or one TOML file."""
+    from flwr.common.config import parse_config_args
+
+    for value in values:
+        if value.endswith(".toml") and not Path(value).expanduser().is_file():
+            raise ConfigError(f"run config file '{value}' does not exist")
+    try:
+        return parse_config_args(list(values))
+    except Exception as err:  # click.ClickException or ValueError, with Flower's message
+        raise ConfigError(f"--run-config {' '.join(values)!r}: {getattr(err, 'message', err)}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) > 1 or (argv and argv[0] in ("-h", "--help")):
-        print("usage: python -m fedopd.config [PRESET.toml]", file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedopd.config",
+        description="Validate run-config overrides over the app's defaults, as `flwr run` would receive them, "
+        "without loading a model; print the resolved config. Exit status 1 on any problem.",
+    )
+    parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
+    parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
+                        help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         merged = app_defaults()
-        if argv:
-            merged.update(load_preset(argv[0]))
+        if args.file:
+            merged.update(load_preset(args.file))
+        if args.run_config:
+            merged.update(overrides_from_args(args.run_config))
         cfg = parse_run_config(merged)
+        check_server_requirements(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import json
 import time
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig
+from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements
 from fedopd.lora import from_record
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
 from fedopd.procinfo import rss_mb
 from fedtops_strategy import make_strategy
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
-from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir
+from server_app.progress import FIGURE, TensorBoardLog, draw, run_summary, run_title
+from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds
 
 app = ServerApp()
 
@@ -44,6 +45,44 @@ def evaluation_summary(evaluation: dict | None) -> str:
     sampled = " ".join(f"{k} {v:.1f}%" for k, v in evaluation.items() if k.startswith(("avg@", "pass@")))
     label = "Local mean " if evaluation.get("aggregate") == "local-mean" else ""
     return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
+
+
+def reply_summary(msg) -> str | None:
+    """One progress line for a client's reply, as it arrives: what it did, with counts and times."""
+    if msg.has_error():
+        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {msg.error.reason[:200]}"
+    records = list(msg.content.metric_records.values())
+    if len(records) != 1:
+        return None
+    m = records[0]
+    kind = msg.metadata.message_type
+    who = f"  client {int(m.get('partition-id', -1))}"
+    try:
+        if kind == "train":
+            line = (
+                f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
+                f"cap-hit {100 * m['cap_hit_rate']:.0f}%, reward {100 * m['accuracy']:.0f}%) | "
+                f"teacher {m['teacher_s']:.1f} s"
+            )
+            if m.get("cache_s", 0.0) and "cache_teacher_score" in m:
+                line += f" | cache {m['cache_s']:.2f} s"
+            line += f" | OPD {int(m['steps'])} steps {m['opd_s']:.1f} s, loss {m['loss_first']:.4f} -> {m['loss_last']:.4f}"
+            return line + f" | {m['total_s']:.1f} s"
+        if kind == "query.score":
+            j, k = m["teacher-scores"], m["change-scores"]
+            return f"{who} scored {len(j)} candidates in {m.get('score_s', 0.0):.2f} s (max K {max(k):.4f})"
+        if kind == "evaluate":
+            sampled = " ".join(f"{key} {m[key]:.1f}%" for key in m if key.startswith(("avg@", "pass@")))
+            return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def log_reply(msg) -> None:
+    line = reply_summary(msg)
+    if line:
+        log(INFO, "%s", line)
 
 
 def round_summary(record: dict, num_rounds: int) -> str:
@@ -80,6 +119,7 @@ def round_summary(record: dict, num_rounds: int) -> str:
 def main(grid: Grid, context: Context) -> None:
     try:
         cfg = RunConfig.from_run_config(context.run_config)
+        check_server_requirements(cfg)
         resolve_model_path(cfg.model.student), resolve_model_path(cfg.model.teacher)
     except (ConfigError, ModelLoadError) as err:
         log(ERROR, "FedTOPS: invalid run config, nothing was run or written: %s", err)
@@ -119,7 +159,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     With ``resume-from``, the run continues in that folder after its last complete round, from
     the global adapter saved there (the clients restore their own state, ``client_app/client_state.py``).
     """
-    grid = PromptGrid(grid)
+    grid = PromptGrid(grid, on_reply=log_reply)
     arrays, lora_config = initial_adapter(cfg)
     local = cfg.strategy.name == "local"
     if cfg.resume_from:
@@ -132,6 +172,19 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
 
+    run.write_status("running", done)
+    try:
+        return _run_rounds(grid, cfg, run, done, arrays)
+    except BaseException as err:
+        run.write_status("failed", error=f"{type(err).__name__}: {err}")
+        raise
+
+
+def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arrays) -> Path:
+    started_run = time.perf_counter()
+    local = cfg.strategy.name == "local"
+    title = run_title(cfg.to_run_config())
+    tensorboard = TensorBoardLog(run.path / "tensorboard") if cfg.logging.tensorboard else None
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     strategy = make_strategy(cfg.strategy, num_clients=num_clients, score_timeout=cfg.timeout.score)
@@ -157,7 +210,14 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             record["eval_seconds"] = time.perf_counter() - started
         if server_round > 0 or "evaluation" in record:
             run.append_round(record)
+            run.write_status("running", server_round)
             log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
+            if tensorboard is not None:
+                tensorboard.add(record)
+            try:
+                draw(read_rounds(run.path), run.path / FIGURE, title)
+            except Exception as err:  # noqa: BLE001 - a figure must never stop a run
+                log(WARNING, "could not draw %s: %s", run.path / FIGURE, err)
 
     # The round loop of Flower's Strategy.start, from the round after the last complete one.
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
@@ -174,5 +234,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         if new_arrays is not None:
             global_arrays = new_arrays
         after_round(server_round, global_arrays)
+    if tensorboard is not None:
+        tensorboard.close()
+    run.write_status("completed", cfg.num_server_rounds)
+    for line in run_summary(read_rounds(run.path), cfg.strategy.name, run.path.resolve(), time.perf_counter() - started_run):
+        log(INFO, "%s", line)
     log(INFO, "FedTOPS run finished: %s", run.path.resolve())
     return run.path

@@ -11,7 +11,7 @@ wrapped Grid's.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -21,8 +21,11 @@ MAX_POLL_S = 0.25
 
 
 class PromptGrid(Grid):
-    def __init__(self, grid: Grid) -> None:
+    """``on_reply(message)``, when set, is called for each reply as it is taken (progress lines)."""
+
+    def __init__(self, grid: Grid, on_reply: Callable[[Message], None] | None = None) -> None:
         self.grid = grid.grid if isinstance(grid, PromptGrid) else grid
+        self.on_reply = on_reply
 
     def set_run(self, run_id: int) -> None:
         self.grid.set_run(run_id)
@@ -52,6 +55,9 @@ class PromptGrid(Grid):
         while pending:
             got = list(self.pull_messages(pending))
             replies.extend(got)
+            if self.on_reply is not None:
+                for msg in got:
+                    self.on_reply(msg)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending:
                 break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -100,6 +101,20 @@ class RunFolder:
     def save_adapter(self, server_round: int, arrays: Mapping[str, np.ndarray], client: int | None = None) -> Path:
         return save_adapter(self.adapter_dir(server_round, client), arrays, self.lora_config)
 
+    def write_status(self, status: str, rounds_done: int | None = None, error: str | None = None) -> None:
+        """``status.json``: ``running`` (with the last complete round), ``completed`` or ``failed``
+        (with the error), so a script can tell how a run ended (``python -m server_app.run_status``)."""
+        state = {"status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if rounds_done is not None:
+            state["rounds-done"] = rounds_done
+        elif (self.path / STATUS).is_file():
+            state["rounds-done"] = read_status(self.path).get("rounds-done", 0)
+        if error is not None:
+            state["error"] = error
+        tmp = self.path / f".{STATUS}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, self.path / STATUS)
+
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.path / "rounds.jsonl", "a") as f:
             f.write(json.dumps(_jsonable(record), sort_keys=True) + "\n")
@@ -109,3 +124,12 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
     """The records of a run folder's ``rounds.jsonl``."""
     with open(Path(path) / "rounds.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+STATUS = "status.json"
+
+
+def read_status(path: str | Path) -> dict[str, Any]:
+    """A run folder's ``status.json`` ({} when the run predates it or never started)."""
+    file = Path(path) / STATUS
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -77,3 +77,38 @@ def test_booleans_accept_toml_booleans_and_their_spelling():
     assert parse_run_config({"train.gradient-checkpointing": "false"}).train.gradient_checkpointing is False
     with pytest.raises(ConfigError, match="'train.gradient-checkpointing' = 1 is invalid; allowed: true or false"):
         parse_run_config({"train.gradient-checkpointing": 1})
+
+
+def test_an_unknown_key_is_named_with_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"'strategy.nme' \(did you mean 'strategy.name'\?\)"):
+        parse_run_config({"strategy.nme": "fedavg"})
+    with pytest.raises(ConfigError) as err:
+        parse_run_config({"zzz": 1})
+    assert "did you mean" not in str(err.value)  # nothing close: no guess
+
+
+def test_fixed_without_a_multiplier_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="'strategy.multiplier' is not set, and 'strategy.name' = 'fixed' needs it"):
+        parse_run_config({"strategy.name": "fixed"})
+    assert parse_run_config({"strategy.name": "fixed", "strategy.multiplier": 0.0}).strategy.multiplier == 0.0
+    assert parse_run_config({"strategy.name": "fedavg"}).strategy.multiplier == -1.0  # not needed there
+    with pytest.raises(ConfigError, match="'strategy.multiplier' = -2.0 is invalid"):
+        parse_run_config({"strategy.name": "fixed", "strategy.multiplier": -2.0})
+
+
+def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
+    import json
+
+    from fedopd.config import main
+
+    assert main(["--run-config", "strategy.name='fixed' strategy.multiplier=3.0", "-c", "train.mini-batch=8"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["strategy.name"] == "fixed" and resolved["strategy.multiplier"] == 3.0
+    assert resolved["train.mini-batch"] == 8 and resolved["train.micro-batch"] == 4  # the rest: defaults
+
+    assert main(["--run-config", "strategy.nme='fedavg'"]) == 1
+    assert "did you mean 'strategy.name'" in capsys.readouterr().err
+    assert main(["-c", "strategy.name='fixed'"]) == 1
+    assert "'strategy.multiplier' is not set" in capsys.readouterr().err
+    assert main(["-c", "train.lr=abc"]) == 1  # not TOML: Flower's own message
+    assert "invalid format" in capsys.readouterr().err

@@ -1,0 +1,169 @@
+"""What a run shows while it runs: the per-round figure, TensorBoard scalars, the end-of-run summary.
+
+All of it is read from the round records (``rounds.jsonl``), so the same functions serve a
+finished run folder: ``python -m server_app.progress RUN_FOLDER`` redraws its figure.
+
+Scalars per round (:func:`round_scalars`): held-out greedy accuracy and Avg@k (evaluated rounds),
+the clients' OPD loss at the round's first and last mini-batch (and the exact KL before/after
+with ``train.exact-kl``), FedTOPS's Ĵ at the selected multiplier, the multiplier, round seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+FIGURE = "progress.png"
+LABELS = {
+    "clients/loss_first": "OPD loss, first mini-batch (at θ_t)",
+    "clients/loss_last": "OPD loss, last mini-batch",
+    "clients/kl_before": "KL on all rollouts, before",
+    "clients/kl_after": "KL on all rollouts, after",
+    "server/teacher_score_selected": "Ĵ(a_t) on the scoring caches",
+}
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of one round record that are plotted and logged (absent ones are left out)."""
+    out: dict[str, float] = {}
+    evaluation = record.get("evaluation") or {}
+    for key, value in evaluation.items():
+        if key == "accuracy" or key.startswith(("avg@", "pass@")):
+            out[f"heldout/{'greedy' if key == 'accuracy' else key}"] = float(value)
+    clients = record.get("clients") or []
+    for key in ("loss", "loss_first", "loss_last", "kl_before", "kl_after"):
+        value = _mean(c[key] for c in clients if key in c)
+        if value is not None:
+            out[f"clients/{key}"] = value
+    a = record.get("multiplier")
+    if a is not None:
+        out["server/multiplier"] = float(a)
+        candidates, scores = record.get("candidates") or [], record.get("teacher_scores") or []
+        if a in candidates and len(scores) == len(candidates):
+            out["server/teacher_score_selected"] = float(scores[candidates.index(a)])
+    if "seconds" in record:
+        out["server/round_seconds"] = float(record["seconds"])
+    return out
+
+
+def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path:
+    """Write the run's figure (four panels over rounds) atomically to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [(int(r["round"]), round_scalars(r)) for r in records]
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(n, s[key]) for n, s in rows if key in s]
+        return [n for n, _ in points], [v for _, v in points]
+
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True)
+    panels = [
+        (axes[0, 0], "held-out accuracy (%)",
+         ["heldout/greedy"] + sorted({k for _, s in rows for k in s if k.startswith("heldout/avg@")})),
+        (axes[0, 1], "KL to the teacher (nats per token)",
+         ["clients/loss_first", "clients/loss_last", "clients/kl_before", "clients/kl_after", "server/teacher_score_selected"]),
+        (axes[1, 0], "selected multiplier a", ["server/multiplier"]),
+        (axes[1, 1], "round time (s)", ["server/round_seconds"]),
+    ]
+    for ax, label, keys in panels:
+        drawn = False
+        for key in dict.fromkeys(keys):
+            x, y = series(key)
+            if x:
+                ax.plot(x, y, marker="o", ms=3, label=LABELS.get(key, key.split("/", 1)[1]))
+                drawn = True
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if drawn and len(keys) > 1:
+            ax.legend(fontsize=8)
+        if not drawn:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes, alpha=0.6)
+    for ax in axes[1]:
+        ax.set_xlabel("round")
+    fig.suptitle(title, fontsize=11)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def run_title(config: Mapping[str, Any]) -> str:
+    """Strategy, δ or a, learning rate, models: what tells two runs' figures apart."""
+    name = config.get("strategy.name", "?")
+    what = {
+        "fedtops": f"FedTOPS δ = {config.get('strategy.trust-budget')}",
+        "fixed": f"fixed a = {config.get('strategy.multiplier')}",
+    }.get(name, name)
+    return f"{what}, lr {config.get('train.lr')}, {config.get('model.student')} ← {config.get('model.teacher')}, seed {config.get('seed')}"
+
+
+class TensorBoardLog:
+    """The same scalars as the figure, one TensorBoard step per round, in ``<run>/tensorboard``."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' extra
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        for key, value in round_scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=int(record["round"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, seconds: float) -> list[str]:
+    """A few lines for the end of a run: rounds, multipliers, held-out accuracy, the folder."""
+    trained = [r for r in records if r["round"] > 0]
+    lines = [f"FedTOPS summary: {len(trained)} rounds of {strategy} in {seconds:.0f} s"]
+    multipliers = [r.get("multiplier") for r in trained]
+    if any(a is not None for a in multipliers):
+        shown = ", ".join("-" if a is None else f"{a:g}" for a in multipliers)
+        lines.append(f"  selected multipliers: {shown}")
+    evaluated = [r for r in records if "accuracy" in (r.get("evaluation") or {})]
+    if evaluated:
+        first, last = evaluated[0], evaluated[-1]
+        lines.append(
+            f"  held-out greedy accuracy: {first['evaluation']['accuracy']:.1f}% (round {first['round']}) -> "
+            f"{last['evaluation']['accuracy']:.1f}% (round {last['round']})"
+        )
+    lines.append(f"  run folder: {folder}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    from server_app.run_folder import read_rounds
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python -m server_app.progress RUN_FOLDER   (redraws RUN_FOLDER/progress.png)", file=sys.stderr)
+        return 2
+    folder = Path(argv[0])
+    if not (folder / "rounds.jsonl").is_file():
+        print(f"error: '{folder}' is not a run folder (no rounds.jsonl)", file=sys.stderr)
+        return 2
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    print(draw(read_rounds(folder), folder / FIGURE, run_title(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""What a run shows and leaves for scripts: per-reply progress lines, the per-round scalars, the
+figure, TensorBoard, the end-of-run summary, and ``status.json`` / ``python -m server_app.run_status``.
+"""
+
+import json
+
+import pytest
+
+from server_app.progress import FIGURE, draw, round_scalars, run_summary, run_title
+from server_app.run_status import folder_status
+
+RECORDS = [
+    {"round": 0, "strategy": "fedtops", "evaluation": {"accuracy": 38.5, "avg@8": 21.9, "pass@8": 57.3, "clients": []}},
+    {"round": 1, "strategy": "fedtops", "multiplier": 3.0, "candidates": [0.5, 1.0, 3.0], "teacher_scores": [0.3, 0.2, 0.1],
+     "seconds": 4.5, "clients": [{"loss": 0.5, "loss_first": 0.6, "loss_last": 0.4}, {"loss": 0.3, "loss_first": 0.2, "loss_last": 0.2}]},
+    {"round": 2, "strategy": "fedtops", "multiplier": 0.0, "candidates": [0.5, 1.0, 3.0], "teacher_scores": [0.3, 0.2, 0.1],
+     "seconds": 4.0, "clients": [{"loss": 0.4, "loss_first": 0.5, "loss_last": 0.3}],
+     "evaluation": {"accuracy": 40.6, "avg@8": 23.0, "pass@8": 60.0, "clients": []}},
+]
+
+
+def test_round_scalars_are_the_client_means_the_selected_score_and_the_evaluation():
+    s = round_scalars(RECORDS[1])
+    assert s == pytest.approx({"clients/loss": 0.4, "clients/loss_first": 0.4, "clients/loss_last": 0.3,
+                               "server/multiplier": 3.0, "server/teacher_score_selected": 0.1, "server/round_seconds": 4.5})
+    assert round_scalars(RECORDS[0]) == {"heldout/greedy": 38.5, "heldout/avg@8": 21.9, "heldout/pass@8": 57.3}
+    # a = 0 (hold) is not among the candidates: no selected score, but the multiplier is kept
+    assert round_scalars(RECORDS[2])["server/multiplier"] == 0.0 and "server/teacher_score_selected" not in round_scalars(RECORDS[2])
+
+
+def test_the_summary_names_rounds_multipliers_accuracy_and_folder(tmp_path):
+    lines = run_summary(RECORDS, "fedtops", tmp_path, 12.3)
+    assert lines == [
+        "FedTOPS summary: 2 rounds of fedtops in 12 s",
+        "  selected multipliers: 3, 0",
+        "  held-out greedy accuracy: 38.5% (round 0) -> 40.6% (round 2)",
+        f"  run folder: {tmp_path}",
+    ]
+
+
+def test_the_figure_is_a_png_written_whole(tmp_path):
+    path = draw(RECORDS, tmp_path / FIGURE, "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == [FIGURE]  # no temporary file left beside it
+
+
+def test_figure_titles_tell_runs_apart():
+    base = {"strategy.name": "fedtops", "strategy.trust-budget": 0.05, "train.lr": 3e-3, "seed": 1}
+    assert "δ = 0.05" in run_title(base) and "lr 0.003" in run_title(base)
+    assert run_title({**base, "strategy.trust-budget": 0.01}) != run_title(base)
+    assert "fixed a = 3.0" in run_title({**base, "strategy.name": "fixed", "strategy.multiplier": 3.0})
+
+
+def test_tensorboard_gets_the_same_scalars_one_step_per_round(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from server_app.progress import TensorBoardLog
+
+    tb = TensorBoardLog(tmp_path / "tb")
+    for record in RECORDS:
+        tb.add(record)
+    tb.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    greedy = [(e.step, e.value) for e in events.Scalars("heldout/greedy")]
+    assert greedy == [(0, 38.5), (2, pytest.approx(40.6))]
+    assert [(e.step, e.value) for e in events.Scalars("server/multiplier")] == [(1, 3.0), (2, 0.0)]
+
+
+@pytest.mark.parametrize("state, code", [({"status": "completed"}, 0), ({"status": "failed", "error": "X: y"}, 1),
+                                         ({"status": "running", "rounds-done": 3}, 3), (None, 3)])
+def test_run_status_exit_codes(tmp_path, state, code):
+    (tmp_path / "config.json").write_text("{}")
+    if state is not None:
+        (tmp_path / "status.json").write_text(json.dumps(state))
+    got, line = folder_status(tmp_path)
+    assert got == code
+    if state and "error" in state:
+        assert "X: y" in line
+    assert folder_status(tmp_path / "nothing")[0] == 2
+
+
+def test_a_reply_becomes_one_progress_line(task_identity):
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    from server_app.app import reply_summary
+
+    request = Message(RecordDict(), dst_node_id=7, message_type="train")
+    metrics = {"partition-id": 2, "rollout_s": 1.25, "response_length": 61.4, "cap_hit_rate": 0.03125, "accuracy": 0.4375,
+               "teacher_s": 0.4, "cache_s": 0.031, "cache_teacher_score": 0.1, "steps": 8, "opd_s": 0.61,
+               "loss_first": 0.41234, "loss_last": 0.38761, "total_s": 2.3}
+    reply = Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=request)
+    assert reply_summary(reply) == (
+        "  client 2 trained: 1.2 s rollouts (mean 61 tokens, cap-hit 3%, reward 44%) | teacher 0.4 s | cache 0.03 s"
+        " | OPD 8 steps 0.6 s, loss 0.4123 -> 0.3876 | 2.3 s"
+    )
