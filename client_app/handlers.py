@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from logging import INFO
 from typing import Any, Mapping
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from client_app import worker
 from client_app.client_state import client_state_dir, load_round_state, save_round_state
@@ -74,6 +76,7 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         optimizer_state=optimizer_state,
         teacher_batch=cfg.model.teacher_batch,
         build_cache=cfg.strategy.name == "fedtops",
+        progress=lambda text: log(INFO, "client %d %s", pid, text),
     )
 
     state[THETA] = ArrayRecord({k: Array(a) for k, a in theta.items()})

@@ -40,6 +40,9 @@ def worker_models(
     The LoRA init seed is irrelevant here: every message brings the factors to use.
     """
     _LOADS[0] += 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a 'Loading weights' bar per model and process is noise in a run's log
     return load_client_models(
         model.student,
         model.teacher,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ import torch.nn.functional as F
 
 from fedopd.config import LoraSettings
 from fedopd.lora import name_mismatch
+
+# PEFT under transformers 5 calls a renamed property on every forward; the warning is upstream's.
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

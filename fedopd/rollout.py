@@ -8,9 +8,10 @@ implements the same interface for paper-scale runs.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -72,8 +73,34 @@ def split_response(tokens: Sequence[int], eos_ids: set[int], max_new_tokens: int
     return out, len(out) >= max_new_tokens
 
 
+class GenerationProgress:
+    """A ``transformers`` streamer that reports, at most every ``every_s`` seconds, how many of the
+    ``max_new_tokens`` decoding steps a long ``generate`` call has done (tokens are not decoded)."""
+
+    def __init__(self, report: Callable[[str], None], max_new_tokens: int, rows: int, every_s: float = 10.0):
+        self.report, self.max_new_tokens, self.rows, self.every_s = report, max_new_tokens, rows, every_s
+        self.steps, self.started = -1, time.perf_counter()  # the first put() is the prompt
+        self.last = self.started
+
+    def put(self, value) -> None:
+        self.steps += 1
+        now = time.perf_counter()
+        if self.steps > 0 and now - self.last >= self.every_s:
+            self.last = now
+            self.report(f"generating {self.rows} responses: step {self.steps}/{self.max_new_tokens}, {now - self.started:.0f} s")
+
+    def end(self) -> None:
+        pass
+
+
 class HFRolloutEngine(RolloutEngine):
-    """Batched ``generate`` on the student :class:`fedopd.models.CausalLM` (LoRA unmerged)."""
+    """Batched ``generate`` on the student :class:`fedopd.models.CausalLM` (LoRA unmerged).
+
+    ``progress``: when set, a long generation reports its decoding step every ``progress_every_s``.
+    """
+
+    progress: Callable[[str], None] | None = None
+    progress_every_s: float = 10.0
 
     def __init__(self, student, batch_size: int = 32):
         if batch_size < 1:
@@ -118,8 +145,11 @@ class HFRolloutEngine(RolloutEngine):
                 for i, p in enumerate(batch):  # left padding: generation continues every row at the end
                     ids[i, width - len(p) :] = torch.tensor(p)
                     mask[i, width - len(p) :] = 1
+                streamer = None
+                if self.progress is not None:
+                    streamer = GenerationProgress(self.progress, params.max_new_tokens, len(batch), self.progress_every_s)
                 out = model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, streamer=streamer
                 )
                 for row in out[:, width:].tolist():
                     response, hit = split_response(row, self.eos_ids, params.max_new_tokens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -82,6 +82,7 @@ def train_round(
     teacher_batch: int | None = None,
     build_cache: bool = True,
     source: Mapping[str, np.ndarray] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> TrainOutput:
     """A client's work in one round, from the global factors θ_t.
 
@@ -89,7 +90,9 @@ def train_round(
     cache choice derive from it and ``server_round``. The scoring cache is built only when
     ``build_cache`` (FedTOPS: the server will ask for candidate scores). ``source``: the adapter
     that generates the rollouts when it is not θ_t itself (the rollout-source intervention,
-    ``python -m eval.source_swap``); on-policy training leaves it None.
+    ``python -m eval.source_swap``); on-policy training leaves it None. ``progress``: called with a
+    line for every phase that took at least :data:`PROGRESS_AFTER_S` seconds, and every
+    :data:`PROGRESS_AFTER_S` seconds during a long HF generation (short rounds stay quiet).
     """
     if not prompts:
         raise ValueError("train_round: the client has no prompts")
@@ -97,9 +100,18 @@ def train_round(
     models.rollout.set_adapter(theta if source is None else source)
     batch = [prompts[i] for i in round_indices(len(prompts), server_round, rollout.per_round, seed)]
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, derive_seed(seed, server_round, 1))
-    rollouts = models.rollout.generate([p.token_ids for p in batch], params)
+    note = _phase_reporter(progress, server_round)
+    if progress is not None and hasattr(models.rollout, "progress"):
+        models.rollout.progress = lambda text: progress(f"round {server_round}: {text}")
+        models.rollout.progress_every_s = PROGRESS_AFTER_S
+    try:
+        rollouts = models.rollout.generate([p.token_ids for p in batch], params)
+    finally:
+        if hasattr(models.rollout, "progress"):
+            models.rollout.progress = None
     models.student.set_lora_arrays(theta)  # after generation: the HF engine samples from this very model
     t1 = time.perf_counter()
+    note(t1 - t0, f"{len(rollouts)} rollouts, mean {rollouts.response_lengths.mean():.0f} tokens")
 
     texts = models.student.tokenizer.batch_decode(rollouts.response_ids, skip_special_tokens=True)
     accuracy = float(np.mean([is_correct(text, p.answer) for text, p in zip(texts, batch)]))
@@ -111,6 +123,7 @@ def train_round(
     batches = make_micro_batches(rollouts, plan, pad, models.student.device, use_packing(models.student, train.packing))
     hidden = teacher_pass(models.teacher, batches, teacher_batch)
     t_teacher = time.perf_counter()
+    note(t_teacher - t2, f"teacher pass over {sum(b.num_tokens for b in batches.values())} response tokens")
 
     scoring_cache = None
     if build_cache:
@@ -119,6 +132,8 @@ def train_round(
             models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2), teacher_hidden=all_hidden
         )
     t3 = time.perf_counter()
+    if scoring_cache is not None:
+        note(t3 - t_teacher, f"scoring cache of {scoring_cache.num_positions} positions")
 
     result = local_opd(
         models.student,
@@ -132,6 +147,7 @@ def train_round(
         hidden=hidden,
     )
     t4 = time.perf_counter()
+    note(t4 - t3, f"local OPD, {len(plan)} steps, loss {result.metrics['loss_first']:.4f} -> {result.metrics['loss_last']:.4f}")
 
     metrics = dict(result.metrics)
     metrics.update(
@@ -148,6 +164,17 @@ def train_round(
     if scoring_cache is not None:
         metrics["cache_teacher_score"] = scoring_cache.teacher_score_at_start()
     return TrainOutput(result.arrays, result.optimizer_state, scoring_cache, metrics)
+
+
+PROGRESS_AFTER_S = 10.0  # phases shorter than this are not reported while the round runs
+
+
+def _phase_reporter(progress: Callable[[str], None] | None, server_round: int) -> Callable[[float, str], None]:
+    def note(seconds: float, what: str) -> None:
+        if progress is not None and seconds >= PROGRESS_AFTER_S:
+            progress(f"round {server_round}: {what} in {seconds:.1f} s")
+
+    return note
 
 
 def score_round(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fedopd.config import StrategyConfig
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
@@ -11,6 +13,18 @@ from fedtops_strategy.references import Centralized, LocalTraining
 def make_strategy(cfg: StrategyConfig, *, num_clients: int, score_timeout: float = 600.0):
     """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round
     (Centralized: one learner, with all of them connected)."""
+    # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design
+    # (held-out evaluation is the app's own phase), so the warning is not passed on.
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.ERROR)
+    try:
+        return _make(cfg, num_clients=num_clients, score_timeout=score_timeout)
+    finally:
+        flwr_logger.setLevel(level)
+
+
+def _make(cfg: StrategyConfig, *, num_clients: int, score_timeout: float):
     common = dict(
         fraction_train=1.0,
         fraction_evaluate=0.0,  # no federated evaluation round: scoring is part of training

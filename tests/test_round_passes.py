@@ -205,3 +205,38 @@ def test_fp32_head_gives_fp32_logits_and_the_gradient_of_a_plain_linear():
     out.backward(upstream)
     assert h.grad.dtype == torch.bfloat16
     torch.testing.assert_close(h.grad.double(), (upstream.double() @ w.double()).bfloat16().double(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeypatch):
+    import fedopd.round as round_module
+
+    monkeypatch.setattr(round_module, "PROGRESS_AFTER_S", 0.0)  # every phase counts as long
+    student, teacher = tiny_pair
+    cfg = parse_run_config(TINY)
+    models = ClientModels(student, teacher, HFRolloutEngine(student))
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
+    lines = []
+    train_round(
+        models, student.get_lora_arrays(), prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
+        cache=CacheSettings(rollouts=2, positions=4, top_k=4), train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
+        server_round=3, seed=1, step_offset=0, total_steps=4, progress=lines.append,
+    )
+    assert [line.split(":")[0] for line in lines] == ["round 3"] * len(lines)
+    phases = [line for line in lines if not line.startswith("round 3: generating")]
+    assert [p.split(": ", 1)[1].split(" ")[0:2] for p in phases] == [["4", "rollouts,"], ["teacher", "pass"], ["scoring", "cache"], ["local", "OPD,"]]
+    assert any(line.startswith("round 3: generating 4 responses: step ") for line in lines)
+    assert models.rollout.progress is None  # the reporter does not outlive the round
+
+
+def test_a_short_round_reports_nothing(tiny_pair):
+    student, teacher = tiny_pair
+    cfg = parse_run_config(TINY)
+    models = ClientModels(student, teacher, HFRolloutEngine(student))
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
+    lines = []
+    train_round(
+        models, student.get_lora_arrays(), prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
+        cache=CacheSettings(rollouts=2, positions=4, top_k=4), train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
+        server_round=3, seed=1, step_offset=0, total_steps=4, progress=lines.append,
+    )
+    assert lines == []
