@@ -9,6 +9,8 @@ also use ``question`` for the problem or ``final_answer`` for the answer, and an
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +74,37 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
+class BenchmarkUnavailable(ValueError):
+    """A hub benchmark that cannot be loaded here; the message names the offline options."""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection within ``timeout`` seconds (and
+    offline mode is not set)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Offline mode for ``datasets`` and ``huggingface_hub``: the variables, and the flags they
+    read them into at import if they are already imported."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for module, names in (("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")), ("huggingface_hub.constants", ("HF_HUB_OFFLINE",))):
+        if module in sys.modules:
+            for name in names:
+                setattr(sys.modules[module], name, True)
+
+
 def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
     """Rows of benchmark ``name``: from ``data_dir/<name>.jsonl`` if given, else from the hub."""
     if name not in BENCHMARKS:
@@ -79,9 +112,22 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
     if data_dir is not None:
         return read_jsonl(Path(data_dir) / f"{name}.jsonl")
     spec = BENCHMARKS[name]
+    offline_hint = (
+        f"offline, put {name}.jsonl (one {{\"problem\": ..., \"answer\": ...}} per line) in a folder and pass "
+        f"--data-dir FOLDER, or pass --benchmark-file {name}=PATH"
+    )
+    reachable = hub_reachable()
+    if not reachable:
+        # Without this, datasets retries for about 25 s before failing. Offline mode still
+        # serves a copy in the local datasets cache, if there is one.
+        _go_offline()
     from datasets import load_dataset
 
-    data = load_dataset(spec.hub_id, spec.config, split=spec.split)
+    try:
+        data = load_dataset(spec.hub_id, spec.config, split=spec.split)
+    except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not available here"
+        reason = f"{type(err).__name__}: {err}" if reachable else "the Hugging Face Hub is not reachable (or offline mode is set) and no cached copy exists"
+        raise BenchmarkUnavailable(f"benchmark {name!r} ({spec.hub_id}) could not be loaded: {reason}; {offline_hint}") from None
     rows = [normalize_row(dict(r), spec.hub_id) for r in data]
     if len(rows) not in spec.expected:
         import warnings

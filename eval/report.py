@@ -124,29 +124,67 @@ def selection_matrix(rounds: list[dict], trust_budget: float, feasibility_tol: f
     return cands, [r["round"] for r in scored], diff, feasible, selected
 
 
-def plot_run(run: Path, out: Path) -> list[Path]:
+# The paper's colour scale for Ĵ(a) − Ĵ(1): linear within ±0.002 nats, logarithmic beyond, and the
+# same range on every panel, so that runs compare by colour.
+SCORE_LINTHRESH = 0.002
+
+
+def score_range(runs: list[Path]) -> float:
+    """The largest |Ĵ(a) − Ĵ(1)| over the FedTOPS rounds of ``runs``: the shared colour range."""
+    from server_app.run_folder import read_rounds
+
+    vmax = 0.0
+    for run in runs:
+        config = json.loads((run / "config.json").read_text())
+        try:
+            _, _, diff, _, _ = selection_matrix([r for r in read_rounds(run) if r["round"] > 0], float(config["strategy.trust-budget"]))
+        except ValueError:
+            continue
+        finite = np.abs(diff[np.isfinite(diff)])
+        if finite.size:
+            vmax = max(vmax, float(finite.max()))
+    return max(vmax, 10 * SCORE_LINTHRESH)
+
+
+def score_ticks(vmax: float) -> list[float]:
+    """Colour-bar ticks that do not crowd: 0, ±the linear range, ±decades beyond it up to ±vmax."""
+    ticks = [SCORE_LINTHRESH]
+    while ticks[-1] * 10 <= vmax * 1.0001:
+        ticks.append(ticks[-1] * 10)
+    if vmax >= ticks[-1] * 5:  # closer than that, the end's label would overlap the last decade's
+        ticks.append(vmax)
+    return [-t for t in reversed(ticks)] + [0.0] + ticks
+
+
+def plot_run(run: Path, out: Path, vmax: float | None = None) -> list[Path]:
+    """The selected multiplier per round, and Ĵ(a) − Ĵ(1) per candidate and round on the paper's
+    symmetric-log scale (``vmax``: the colour range, shared across runs; default this run's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import SymLogNorm
+    from matplotlib.ticker import MaxNLocator
 
+    from server_app.progress import run_title
     from server_app.run_folder import read_rounds
 
     rounds = [r for r in read_rounds(run) if r["round"] > 0]  # round 0: the initial adapter's evaluation
     config = json.loads((run / "config.json").read_text())
+    title = run_title(config)
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
     xs = [r["round"] for r in rounds]
     ax.step(xs, [r["multiplier"] for r in rounds], where="mid", marker="o")
     for r in rounds:
         if r.get("fallback"):
             ax.annotate("fallback", (r["round"], r["multiplier"]), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("selected multiplier a_t")
-    ax.set_title(f"{config.get('strategy.name', '')}: selected multiplier per round")
+    ax.set_title(f"selected multiplier per round\n{title}", fontsize=9)
     fig.tight_layout()
     path = out / f"{run.name}-multiplier.png"
     fig.savefig(path, dpi=150)
@@ -157,22 +195,24 @@ def plot_run(run: Path, out: Path) -> list[Path]:
         cands, xs, diff, feasible, selected = selection_matrix(rounds, float(config["strategy.trust-budget"]))
     except ValueError:
         return written
-    finite = np.abs(diff[np.isfinite(diff)])
-    vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
-    linthresh = max(vmax * 1e-3, 1e-12)
-    fig, ax = plt.subplots(figsize=(max(5.5, 0.4 * len(xs) + 3), 4))
-    im = ax.imshow(diff, aspect="auto", cmap="coolwarm", norm=SymLogNorm(linthresh=linthresh, vmin=-vmax, vmax=vmax), origin="lower")
+    vmax = vmax if vmax is not None else score_range([run])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(xs) + 3.5), 4.2))
+    norm = SymLogNorm(linthresh=SCORE_LINTHRESH, vmin=-vmax, vmax=vmax, base=10)
+    im = ax.imshow(diff, aspect="auto", cmap="coolwarm", norm=norm, origin="lower")
     ci, ti = np.nonzero(~feasible)
     ax.scatter(ti, ci, marker="x", color="black", s=30, label="infeasible")
     ci, ti = np.nonzero(selected)
     ax.scatter(ti, ci, marker="o", facecolors="none", edgecolors="black", s=90, linewidths=1.5, label="selected")
     ax.set_yticks(range(len(cands)), [f"{a:g}" for a in cands])
-    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    step = max(1, len(xs) // 15)  # at most ~15 round labels
+    ax.set_xticks(range(0, len(xs), step), [str(x) for x in xs[::step]])
     ax.set_xlabel("round")
     ax.set_ylabel("candidate a")
-    ax.set_title("Ĵ(a) − Ĵ(1): below 0 is closer to the teacher than FedAvg", fontsize=10)
-    fig.colorbar(im, ax=ax, label="symmetric log scale")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
+    ax.set_title(f"Ĵ(a) − Ĵ(1) (nats): below 0 is closer to the teacher than FedAvg\n{title}", fontsize=9)
+    bar = fig.colorbar(im, ax=ax, ticks=score_ticks(vmax), format="%.3g")
+    bar.set_label(f"symmetric log, linear within ±{SCORE_LINTHRESH:g}", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     path = out / f"{run.name}-scores.png"
     fig.savefig(path, dpi=150)
@@ -205,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     written = write_tables(summaries, args.out) if summaries else []
+    vmax = score_range(args.run) if args.run else None  # one colour range for every run's panel
     for run in args.run:
-        written += plot_run(run, args.out)
+        written += plot_run(run, args.out, vmax)
     for path in written:
         print(path)
     if summaries:

@@ -96,6 +96,24 @@ def evaluate(
     return records
 
 
+def cap_new_tokens(requested: int, longest_prompt: int, max_positions: int | None, model: str) -> tuple[int, str | None]:
+    """(new-token cap that the model can hold, a note when it had to be lowered).
+
+    A response can only be as long as the model's positions allow after the longest prompt;
+    asking for more makes ``generate`` warn at every step and run past what the model was
+    trained on. Raises ValueError when not even one new token fits.
+    """
+    if not max_positions or longest_prompt + requested <= max_positions:
+        return requested, None
+    fits = max_positions - longest_prompt
+    if fits < 1:
+        raise ValueError(f"the longest prompt has {longest_prompt} tokens, but {model} holds {max_positions} positions")
+    return fits, (
+        f"--max-new-tokens {requested} exceeds what {model} holds ({max_positions} positions, longest prompt "
+        f"{longest_prompt} tokens): capped at {fits}"
+    )
+
+
 def _parse_files(items: list[str]) -> dict[str, Path]:
     out = {}
     for item in items:
@@ -156,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
     prompt_ids = encode_benchmarks(student.tokenizer, benchmarks)
     longest = max(len(ids) for ids in (i for batch in prompt_ids.values() for i in batch))
+    max_positions = getattr(student.causal_lm.config, "max_position_embeddings", None)
+    try:
+        args.max_new_tokens, note = cap_new_tokens(args.max_new_tokens, longest, max_positions, args.model)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     engine = make_rollout_engine(
         args.backend, student, max_model_len=longest + args.max_new_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, batch_size=args.batch_size,

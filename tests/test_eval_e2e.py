@@ -103,3 +103,33 @@ def test_report_tables_bold_the_best_and_compute_macro_over_benchmarks():
     assert "| A | 40.00 | **10.00** | **25.00** |" in md and "| B | **45.00** | 2.00 | 23.50 |" in md
     cap = render(*build_table(summaries, "cap_hit"), "cap_hit", "md", "Cap-hit")
     assert "| B | **2.00** | 3.00 | **2.50** |" in cap  # lower is better
+
+
+def test_score_colour_scale_is_the_papers_and_its_ticks_do_not_crowd():
+    from eval.report import SCORE_LINTHRESH, score_ticks
+
+    assert SCORE_LINTHRESH == 0.002  # the paper's linear range, nats
+    assert score_ticks(0.02) == pytest.approx([-0.02, -0.002, 0.0, 0.002, 0.02])
+    assert score_ticks(5.32) == pytest.approx([-2, -0.2, -0.02, -0.002, 0, 0.002, 0.02, 0.2, 2])  # 5.32: too close to 2
+    assert score_ticks(0.5) == pytest.approx([-0.2, -0.02, -0.002, 0, 0.002, 0.02, 0.2])
+    assert score_ticks(1.5) == pytest.approx([-1.5, -0.2, -0.02, -0.002, 0, 0.002, 0.02, 0.2, 1.5])  # far enough: shown
+
+
+def test_report_panels_share_one_colour_range(tmp_path):
+    import json
+
+    from eval.report import score_range
+
+    def run(name, diffs):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"strategy.trust-budget": 0.05}))
+        rows = [{"round": 1, "candidates": [1.0, 3.0], "teacher_scores": [0.5, 0.5 + d], "change_scores": [[0.0, 0.01]],
+                 "multiplier": 1.0} for d in diffs]
+        (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    a, b = run("a", [0.03]), run("b", [-0.4])
+    assert score_range([a]) == pytest.approx(0.03)
+    assert score_range([a, b]) == pytest.approx(0.4)  # both panels drawn with ±0.4
+    assert score_range([run("c", [0.0001])]) == pytest.approx(0.02)  # at least a decade beyond the linear range
