@@ -30,6 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 def slope(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -53,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(work)
         home = work / "flwr-home"
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home),
-               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+               # A local SuperLink of our own: on its default port flwr run would join one already running.
+               "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port())}
         overrides = f'num-server-rounds={args.rounds} eval.every=0 output-dir="{work / "runs"}"'
         cmd = ["flwr", "run", ".", "--stream", "--federation-config", f"num-supernodes={args.nodes}"]
         cmd += ["--run-config", overrides]

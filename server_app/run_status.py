@@ -16,6 +16,7 @@ which case no run folder is announced and this exits 1 with a hint.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,8 @@ def folder_status(folder: Path) -> tuple[int, str]:
 def run_checked(flwr_args: list[str]) -> int:
     args = list(flwr_args) if "--stream" in flwr_args else [*flwr_args, "--stream"]
     folder, run_id = None, None
-    with subprocess.Popen(["flwr", "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")  # the environment's own
+    with subprocess.Popen([flwr, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()

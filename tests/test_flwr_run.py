@@ -1,6 +1,7 @@
 """``flwr run .`` as a user runs it: a local SuperLink in an isolated Flower home, 3 SuperNodes.
 
-``flwr run --stream`` exits 0 even when the run fails, so the checks are on the run folder.
+``flwr run --stream`` exits 0 even when the run fails; the runs here go through
+``python -m server_app.run_status run``, whose exit status says whether the run completed.
 The local SuperLink that ``flwr run`` starts in the background is stopped afterwards.
 """
 
@@ -19,7 +20,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-CONTROL_PORT = 39093  # Flower's local SuperLink Control API
 
 
 def _port_in_use(port: int) -> bool:
@@ -27,7 +27,13 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _stop_local_superlink(flwr_home: Path) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_local_superlink(flwr_home: Path, port: int) -> None:
     out = subprocess.run(["pgrep", "-f", str(flwr_home)], capture_output=True, text=True, check=False).stdout
     for pid in (int(p) for p in out.split()):
         try:
@@ -35,7 +41,7 @@ def _stop_local_superlink(flwr_home: Path) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + 20
-    while _port_in_use(CONTROL_PORT) and time.monotonic() < deadline:
+    while _port_in_use(port) and time.monotonic() < deadline:
         time.sleep(0.5)
 
 
@@ -43,20 +49,25 @@ def _stop_local_superlink(flwr_home: Path) -> None:
 def flwr(tmp_path_factory):
     if shutil.which("flwr") is None and not (Path(sys.executable).parent / "flwr").exists():
         pytest.skip("the flwr command is not installed")
-    if _port_in_use(CONTROL_PORT):
-        pytest.skip(f"a Flower SuperLink already listens on 127.0.0.1:{CONTROL_PORT}; stop it to run this test")
+    # flwr run starts a local SuperLink on FLWR_LOCAL_SUPERLINK_HTTP_API_PORT (Flower 1.41: one
+    # HTTP port for all its APIs), or joins the one already answering there. A free port of its
+    # own keeps this test off any SuperLink that is already running (a user's, another test's).
+    port = _free_port()
     home = tmp_path_factory.mktemp("flwr-home")
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    exe = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
 
     def run(*run_config: str) -> subprocess.CompletedProcess:
-        cmd = [exe, "run", ".", "--stream", "--federation-config", "num-supernodes=3"]
+        # Through the project's checked runner: flwr run's output, and an exit status that says
+        # whether the run completed (flwr run --stream itself exits 0 either way).
+        cmd = [sys.executable, "-m", "server_app.run_status", "run", ".", "--federation-config", "num-supernodes=3"]
         for item in run_config:
             cmd += ["--run-config", item]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
+    run.port = port
     yield run
-    _stop_local_superlink(home)
+    _stop_local_superlink(home, port)
 
 
 def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from_round_zero(flwr, tmp_path):
@@ -64,6 +75,12 @@ def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from
     log = done.stdout + done.stderr
     folders = [p.parent for p in tmp_path.glob("*/config.json")]  # (beside it: the clients' state)
     assert len(folders) == 1, log[-3000:]
+    assert done.returncode == 0, log[-3000:]
+    assert json.loads((folders[0] / "status.json").read_text())["status"] == "completed"
+    assert (folders[0] / "progress.png").read_bytes()[:4] == b"\x89PNG"
+    for pid in range(3):  # progress: each client's reply, as it arrives, with its phases
+        assert f"client {pid} trained: " in log and f"client {pid} scored 6 candidates" in log
+    assert "FedTOPS summary: 2 rounds of fedtops" in log
     rounds = [json.loads(line) for line in (folders[0] / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]  # round 0: the initial adapter, evaluated
     assert all(len(r["change_scores"]) == 3 for r in rounds[1:])
@@ -76,6 +93,7 @@ def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from
     assert (folders[0] / "round-002" / "adapter_model.safetensors").is_file()
     assert "round 0/2 [fedtops] initial adapter | held-out greedy" in log
     assert "round 2/2 [fedtops] a = " in log
+    assert f"127.0.0.1:{flwr.port}" in log  # its own local SuperLink, not one that was already running
 
 
 def test_a_bad_run_config_value_stops_the_run_before_round_one(flwr, tmp_path):
@@ -83,3 +101,5 @@ def test_a_bad_run_config_value_stops_the_run_before_round_one(flwr, tmp_path):
     log = done.stdout + done.stderr
     assert "run config 'strategy.candidates' = '1,two,3' is invalid" in log
     assert not (tmp_path / "runs").exists()
+    assert done.returncode == 1  # the checked runner tells a script; flwr run alone exits 0
+    assert "failed before it created a run folder" in log
