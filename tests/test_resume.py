@@ -24,7 +24,7 @@ STRATEGIES = {
     "fixed": {"strategy.name": "fixed", "strategy.multiplier": 3.0},
     "local": {"strategy.name": "local"},
 }
-TIMING = {"seconds", "eval_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s", "train_s",
+TIMING = {"seconds", "eval_seconds", "score_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s", "train_s",
           "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb"}
 
 
