@@ -4,8 +4,8 @@
         --benchmarks math500 amc23 minerva olympiadbench aime24 aime25 --out eval-results
 
 Defaults are the paper's protocol: 8 samples per problem, temperature 1, top-p 0.8, at most
-8,192 new tokens, seed 0, the chat template with ``enable_thinking=False`` and the instruction of
-SPEC §3. Every response is written with its grade to ``<out>/<label>/responses.jsonl`` and the
+8,192 new tokens, seed 0, the chat template with ``enable_thinking=False`` and the paper's
+instruction. Every response is written with its grade to ``<out>/<label>/responses.jsonl`` and the
 metrics to ``<out>/<label>/summary.json`` (Avg@k, Pass@k, cap-hit rate per benchmark and their
 macro averages, all in percent, unrounded).
 """
@@ -59,7 +59,7 @@ def summarize(records: list[dict], samples: int) -> dict:
 
 
 def encode_benchmarks(tokenizer, benchmarks: dict[str, list[dict]]) -> dict[str, list[list[int]]]:
-    """Chat-rendered prompt ids of every problem (SPEC §3 instruction, non-thinking)."""
+    """Chat-rendered prompt ids of every problem (the paper's instruction, non-thinking)."""
     return {
         name: [tokenizer(render_prompt(tokenizer, r["problem"]), add_special_tokens=False)["input_ids"] for r in rows]
         for name, rows in benchmarks.items()

@@ -1,4 +1,4 @@
-"""Scoring cache and candidate scores (SPEC §2 steps 2.3 and 4; paper App. "Trajectory cache").
+"""Scoring cache and candidate scores (paper, Algorithm 1 and App. "Trajectory cache").
 
 Before any optimizer step a client keeps, for ``cache.rollouts`` of its rollouts and at most
 ``cache.positions`` evenly spaced response positions in each, the teacher's and the starting
@@ -43,7 +43,7 @@ def coarsen(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """KL(p ‖ q) over the last dimension, with 0·log 0 = 0 (and +inf where q = 0 < p).
 
-    Never negative (SPEC §3): rounding-level negatives, as for two numerically identical
+    Never negative: rounding-level negatives, as for two numerically identical
     distributions, are clamped to 0.
     """
     return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1).clamp_min(0.0)

@@ -1,7 +1,7 @@
 """The run configuration: one typed object, parsed and validated once.
 
 Flower hands the ClientApp and the ServerApp a flat ``run_config`` dict whose keys are grouped
-by prefix (SPEC §5): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
+by prefix (README, "Run config"): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
 turns that dict into a frozen :class:`RunConfig` with one dataclass per group, and rejects any bad
 value before work starts with a :class:`ConfigError` that names the key, the value and what is
 allowed. Engine code receives the group it needs (``cfg.train``, ``cfg.cache``), never the dict.
@@ -110,7 +110,7 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Held-out evaluation inside the round (SPEC §2.6): greedy accuracy and Avg@k / Pass@k."""
+    """Held-out evaluation inside the round: greedy accuracy and Avg@k / Pass@k."""
 
     every: int = 4  # 0 = never; else rounds 0, every, 2*every, ... and the last round
     prompts_per_client: int = 32
@@ -160,7 +160,7 @@ class RunConfig:
         return parse_run_config(run_config)
 
     def to_run_config(self) -> dict[str, Any]:
-        """The flat run-config dict (SPEC §5 key names) that this object was parsed from."""
+        """The flat run-config dict (run-config key names) that this object was parsed from."""
         out: dict[str, Any] = {}
         for key, (path, _) in _KEYS.items():
             value = _get(self, path)

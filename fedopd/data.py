@@ -1,7 +1,7 @@
 """Client prompts: the tiny-arith set, prompt rendering, and the per-round prompt loader.
 
 A row is a dict with at least ``problem`` and ``answer`` (the gold answer as a string). Prompts
-are rendered as in the paper (SPEC §3): the problem, a newline, :data:`INSTRUCTION`, as one user
+are rendered as in the paper: the problem, a newline, :data:`INSTRUCTION`, as one user
 message through the tokenizer's chat template with ``add_generation_prompt=True`` and
 ``enable_thinking=False``. Prompts longer than ``data.max-prompt-tokens`` are dropped, never
 truncated.

@@ -105,7 +105,7 @@ def resolve_model_path(name: str) -> str:
 class CausalLM:
     """A causal LM (optionally PEFT-wrapped) split into body and head.
 
-    ``logit_width`` is the vocabulary width compared between student and teacher (SPEC §3: the
+    ``logit_width`` is the vocabulary width compared between student and teacher (the
     shared tokenizer length when their logit widths differ).
     """
 
@@ -178,7 +178,7 @@ class CausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states (..., H) -> (..., logit_width), computed in fp32.
 
-        SPEC §3: probabilities come from fp32 logits, not from bf16 logits upcast afterwards. The
+        Probabilities come from fp32 logits, not from bf16 logits upcast afterwards. The
         hidden states and the head's weight are upcast (a no-op for an fp32 model), so a bf16
         model's logits carry no bf16 rounding of their own. Callers evaluate the head only where
         they need it (cached positions, one loss chunk at a time).
@@ -335,7 +335,7 @@ def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | Non
 
 
 def lora_config(settings: LoraSettings, base_model: str | None = None):
-    """The ``peft.LoraConfig`` of SPEC §3 (rank 8, alpha 16, dropout 0, all linear projections)."""
+    """The ``peft.LoraConfig`` of the paper (rank 8, alpha 16, dropout 0, all linear projections)."""
     from peft import LoraConfig
 
     return LoraConfig(

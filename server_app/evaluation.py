@@ -1,4 +1,4 @@
-"""Held-out evaluation inside the round (SPEC §2.6): ask every client, aggregate, record.
+"""Held-out evaluation inside the round: ask every client, aggregate, record.
 
 The server sends each connected client the adapter it should evaluate (the global one; Local:
 the client's own) in an ``evaluate`` message; clients answer with greedy accuracy, Avg@k and

@@ -1,4 +1,4 @@
-"""The run folder (SPEC §4): ``config.json``, ``rounds.jsonl`` and ``round-NNN/`` PEFT adapters.
+"""The run folder: ``config.json``, ``rounds.jsonl`` and ``round-NNN/`` PEFT adapters.
 
 One folder per run under ``output-dir``; an existing folder is never reused or overwritten.
 """

@@ -1,4 +1,4 @@
-"""Coarsening, KL and the cache's choice of rollouts and positions (SPEC §2.3, §4)."""
+"""Coarsening, KL and the cache's choice of rollouts and positions."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The scoring cache on the tiny models, against direct forwards (SPEC §2 step 2.3; paper App. cache).
+"""The scoring cache on the tiny models, against direct forwards (paper App. cache).
 
 Every reference here is a plain transformers forward of the (PEFT-wrapped) model on one unpadded
 prefix, with softmax, top-k and coarsening written out in float64 in the test.

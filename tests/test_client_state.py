@@ -1,5 +1,5 @@
 """The ClientApp's train handler across rounds: the cosine schedule's position, and persistent
-versus reset optimizer state (SPEC §2 step 2.4, §3). Messages are built by hand; no Ray, no SuperLink.
+versus reset optimizer state. Messages are built by hand; no Ray, no SuperLink.
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Validation of the run config (SPEC §5): bad values fail before work starts, naming the key."""
+"""Validation of the run config: bad values fail before work starts, naming the key."""
 
 import pytest
 

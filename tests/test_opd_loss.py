@@ -1,4 +1,4 @@
-"""The reverse-KL loss, its chunked evaluation, the schedule and the optimizer state (SPEC §2.4)."""
+"""The reverse-KL loss, its chunked evaluation, the schedule and the optimizer state."""
 
 import math
 

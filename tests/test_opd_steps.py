@@ -1,5 +1,5 @@
 """The local OPD step: loss normalisation, AdamW, clipping, the schedule across rounds, optimizer
-state (SPEC §2 step 2.4). References are written out in the test (float64 or literal numbers).
+state. References are written out in the test (float64 or literal numbers).
 """
 
 
@@ -13,7 +13,7 @@ from fedopd.teacher import make_batch, teacher_hidden
 
 
 def test_adamw_step_uses_betas_weight_decay_clipping_and_the_stored_moments():
-    settings = TrainSettings()  # betas (0.9, 0.999), weight decay 0.01, clip 1.0 (SPEC §2.4)
+    settings = TrainSettings()  # betas (0.9, 0.999), weight decay 0.01, clip 1.0
     p0 = np.array([1.0, -2.0])
     m0, v0 = np.array([0.2, -0.1]), np.array([0.04, 0.09])
     g = np.array([3.0, 4.0])  # norm 5: clipped to norm 1

@@ -1,4 +1,4 @@
-"""What a client round computes, and how often (SPEC §2.2; no pass only for a metric).
+"""What a client round computes, and how often (no pass only for a metric).
 
 The teacher runs once per rollout per round and the scoring cache reads its rows from that pass;
 the candidates are scored together in one batched pass that equals one forward per candidate;

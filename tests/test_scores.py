@@ -1,4 +1,4 @@
-"""Candidate scores Ĵ_i(a), K̂_i(a) and their rounding rules (SPEC §2 step 4, §3; paper eq. for Ĵ, K̂).
+"""Candidate scores Ĵ_i(a), K̂_i(a) and their rounding rules (paper eq. for Ĵ, K̂).
 
 Expected values are written out by hand (``_kl`` below is an independent float64 reference).
 """

@@ -1,4 +1,4 @@
-"""The selection rule (paper Algorithm 1 with tolerances; SPEC §2)."""
+"""The selection rule (paper Algorithm 1 with tolerances)."""
 
 import math
 
