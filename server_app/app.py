@@ -34,7 +34,9 @@ def initial_adapter(cfg: RunConfig):
     Loaded on CPU: the server only needs the adapter's shapes and initial values.
     """
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # as on the clients: no 'Loading weights' bar in the run's stream
     student = attach_lora(load_causal_lm(cfg.model.student, dtype="float32", device=torch.device("cpu")), cfg.lora, cfg.seed)
     return student.get_lora_arrays(), student.lora_config
 
