@@ -45,12 +45,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=0, help="linear warmup steps (the method has none)")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: momentum 0.9, no weight decay")
+    ap.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
+    ap.add_argument("--mini-batch", type=int, default=4)
+    ap.add_argument("--student", default="builtin:sandbox-student", help="model.student: a builtin name or a folder")
     ap.add_argument("--partition", type=int, default=1, help="client 0 addition, 1 multiplication, 2 expressions")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = parse_run_config({**app_defaults(), "eval.prompts-per-client": 32})
+    cfg = parse_run_config({**app_defaults(), "eval.prompts-per-client": 32, "model.student": args.student})
     models, prompts = setup(cfg, args.partition, 3)
     _, held = setup_heldout(cfg, args.partition, 3)
     teacher = models.teacher
@@ -62,9 +66,12 @@ def main() -> None:
         params = list(student.model.parameters())
         for p in params:
             p.requires_grad_(True)
-    rounds, per_round, mini = 8, 32, 4
+    rounds, per_round, mini = 8, 32, args.mini_batch
     total = rounds * per_round // mini
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.01)
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=args.eps, weight_decay=0.01)
 
     def factor(step: int) -> float:
         warm = min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0

@@ -7,7 +7,10 @@
    step-by-step solutions from the three groups' training pools until it solves them almost
    perfectly; then a much smaller student (2 layers, width 128) trained the same way but only
    briefly, on purpose: it stops on the steep part of its learning curve, so distillation has
-   something to teach and the federated dynamics are visible within a CPU budget.
+   something to teach and the federated dynamics are visible within a CPU budget. The student is
+   left mid-training at a constant learning rate, not cooled down: continuing a cooled-down
+   checkpoint at a re-warmed rate first undoes part of its training (measured: held-out accuracy
+   fell in the first rounds of every learner tried, SFT included; README, "The sandbox").
 3. Both are written with ``save_pretrained`` (safetensors, bf16 to keep the package small) next
    to this module, then reloaded from disk and evaluated greedily on held-out problems with the
    math-verify grader; ``training.json`` records the recipe, timings and scores.
@@ -98,8 +101,13 @@ def batch_tensors(examples, pad_id: int):
     return ids, mask, labels
 
 
-def sft(model, data: dict[str, list], *, steps: int, batch: int, lr: float, warmup: int, seed: int, log_every: int = 100):
-    """AdamW, linear warmup then cosine decay to 0; batches draw a group, then a problem, uniformly."""
+def sft(
+    model, data: dict[str, list], *, steps: int, batch: int, lr: float, warmup: int, seed: int, log_every: int = 100,
+    schedule: str = "cosine",
+):
+    """AdamW, linear warmup then cosine decay to 0 (``schedule = "cosine"``) or a constant rate
+    (``"constant"``: the model is left mid-training, not cooled down); batches draw a group, then a
+    problem, uniformly."""
     rng = np.random.default_rng(seed)
     pad = model.config.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -107,7 +115,12 @@ def sft(model, data: dict[str, list], *, steps: int, batch: int, lr: float, warm
     model.train()
     t0 = time.perf_counter()
     for step in range(steps):
-        scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        if step < warmup:
+            scale = (step + 1) / warmup
+        elif schedule == "constant":
+            scale = 1.0
+        else:
+            scale = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         for g in opt.param_groups:
             g["lr"] = lr * scale
         picks = [data[groups[int(rng.integers(len(groups)))]] for _ in range(batch)]
@@ -152,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--student-steps", type=int, default=270)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--student-lr", type=float, default=1e-3, help="the student's learning rate after warmup")
+    p.add_argument("--student-schedule", choices=("cosine", "constant"), default="constant",
+                   help="after warmup: cosine to 0, or constant (a student left mid-training)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems per group for the record")
     p.add_argument("--only", choices=("teacher", "student"), help="retrain one model (the tokenizer must exist)")
     args = p.parse_args(argv)
@@ -186,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {steps} SFT steps", flush=True)
         model = build_model(spec, tokenizer)
         params = sum(p.numel() for p in model.parameters())
-        seconds = sft(model, data, steps=steps, batch=args.batch, lr=args.lr, warmup=min(50, steps // 5), seed=args.seed + spec.seed)
+        is_student = name == "sandbox-student"
+        lr = args.student_lr if is_student else args.lr
+        schedule = args.student_schedule if is_student else "cosine"
+        seconds = sft(model, data, steps=steps, batch=args.batch, lr=lr, warmup=min(50, steps // 5), seed=args.seed + spec.seed,
+                      schedule=schedule)
         target = args.out / name
         model.to(torch.bfloat16).save_pretrained(target)
         tokenizer.save_pretrained(target)
@@ -195,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         record[name] = {
             "architecture": asdict(spec),
             "parameters": params,
-            "sft": {"steps": steps, "batch": args.batch, "lr": args.lr, "schedule": "linear warmup min(50, steps/5), cosine to 0",
+            "sft": {"steps": steps, "batch": args.batch, "lr": lr,
+                    "schedule": "linear warmup min(50, steps/5), " + ("cosine to 0" if schedule == "cosine" else "then constant"),
                     "optimizer": "AdamW betas (0.9, 0.98), weight decay 0.01, grad clip 1.0", "seconds": round(seconds, 1)},
             "stored_dtype": "bfloat16",
             "heldout_greedy_accuracy": {g: round(a, 1) for g, a in accuracy.items()},
