@@ -151,7 +151,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             xs = [x for x, _ in curves[0]]
             ys = np.mean([[y for _, y in c] for c in curves], axis=0)
             ax.plot(xs, ys, marker="o", ms=3, label=TITLES.get(m, m))
-        ax.set_title(f"local lr {lr:g}")
+        ax.set_title(f"client learning rate {lr:g}")
         ax.set_xlabel("round")
     axes[0][0].set_ylabel("held-out greedy accuracy (%)")
     axes[0][-1].legend(fontsize=7)

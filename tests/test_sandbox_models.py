@@ -39,3 +39,18 @@ def test_they_load_like_hub_models_share_one_tokenizer_and_are_stored_as_safeten
         assert (MODELS_DIR / name / "model.safetensors").is_file()
     assert teacher.causal_lm.config.model_type == student.causal_lm.config.model_type == "qwen3"
     assert sum(p.numel() for p in teacher.model.parameters()) > 3 * sum(p.numel() for p in student.causal_lm.parameters())
+
+
+def test_the_default_run_raises_held_out_accuracy_visibly(tmp_path):
+    """The README's main job (the sandbox preset: FedTOPS, 3 clients, 8 rounds) learns: the global
+    adapter's held-out greedy accuracy after round 8 is at least 15 points above the initial
+    adapter's (measured: 17.7 -> 47.9 %). A run that does not apply its updates, or learns nothing,
+    stays at the initial accuracy."""
+    from server_app.inprocess import run_in_process
+    from server_app.run_folder import read_rounds
+
+    rounds = read_rounds(run_in_process({"output-dir": str(tmp_path), "eval.every": 8}))
+    assert [r["round"] for r in rounds if "evaluation" in r] == [0, 8]
+    start, end = rounds[0]["evaluation"]["accuracy"], rounds[-1]["evaluation"]["accuracy"]
+    assert 5.0 <= start <= 30.0  # the shipped student: well above 0, far below the teacher
+    assert end >= start + 15.0
