@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from client_app.worker import setup, setup_heldout  # noqa: E402
-from fedopd.config import LoraSettings, app_defaults, parse_run_config  # noqa: E402
-from fedopd.data import round_indices  # noqa: E402
-from fedopd.models import attach_lora, load_causal_lm  # noqa: E402
-from fedopd.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from fedopd.round import ClientModels, derive_seed, evaluate_heldout  # noqa: E402
+from client_app.worker import setup, setup_heldout
+from fedopd.config import LoraSettings, app_defaults, parse_run_config
+from fedopd.data import round_indices
+from fedopd.models import attach_lora, load_causal_lm
+from fedopd.rollout import HFRolloutEngine, SamplingParams
+from fedopd.round import ClientModels, derive_seed, evaluate_heldout
 
 
 def main() -> None:
