@@ -102,6 +102,18 @@ def batch_tensors(examples, pad_id: int):
     return ids, mask, labels
 
 
+def lr_scale(step: int, steps: int, warmup: int, schedule: str = "cosine") -> float:
+    """The learning-rate factor of SFT step ``step`` (0-based) of ``steps``: linear warmup over
+    ``warmup`` steps, then cosine decay to 0 at the end (``"cosine"``) or 1 (``"constant"``)."""
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
 def sft(
     model, data: dict[str, list], *, steps: int, batch: int, lr: float, warmup: int, seed: int, log_every: int = 100,
     schedule: str = "cosine",
@@ -116,14 +128,8 @@ def sft(
     model.train()
     t0 = time.perf_counter()
     for step in range(steps):
-        if step < warmup:
-            scale = (step + 1) / warmup
-        elif schedule == "constant":
-            scale = 1.0
-        else:
-            scale = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         for g in opt.param_groups:
-            g["lr"] = lr * scale
+            g["lr"] = lr * lr_scale(step, steps, warmup, schedule)
         picks = [data[groups[int(rng.integers(len(groups)))]] for _ in range(batch)]
         examples = [rows[int(rng.integers(len(rows)))] for rows in picks]
         ids, mask, labels = batch_tensors(examples, pad)
