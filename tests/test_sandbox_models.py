@@ -54,3 +54,19 @@ def test_the_default_run_raises_held_out_accuracy_visibly(tmp_path):
     start, end = rounds[0]["evaluation"]["accuracy"], rounds[-1]["evaluation"]["accuracy"]
     assert 5.0 <= start <= 30.0  # the shipped student: well above 0, far below the teacher
     assert end >= start + 15.0
+
+
+def test_regenerating_the_student_by_default_leaves_it_mid_training_at_lr_1e_3(tmp_path):
+    """``python -m fedopd.sandbox.train`` defaults rebuild the shipped student's recipe: warmup, then a
+    constant 1e-3 (no cooldown), recorded in training.json (2 steps here instead of 270)."""
+    import json
+    import shutil
+
+    from fedopd.sandbox.train import main
+
+    shutil.copytree(MODELS_DIR / "sandbox-teacher", tmp_path / "sandbox-teacher")  # --only needs its tokenizer
+    assert main(["--only", "student", "--out", str(tmp_path), "--student-steps", "2", "--eval-problems", "1"]) == 0
+    sft = json.loads((tmp_path / "training.json").read_text())["sandbox-student"]["sft"]
+    assert sft["lr"] == 1e-3
+    assert sft["schedule"] == "linear warmup min(50, steps/5), then constant"
+    assert (tmp_path / "sandbox-student" / "model.safetensors").is_file()

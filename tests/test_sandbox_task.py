@@ -56,3 +56,14 @@ def test_a_bad_partition_or_group_is_a_clear_error():
         task.problems("division", 1, seed=0)
     with pytest.raises(ValueError, match="cannot provide 1000 distinct training problems"):
         task.problems("multiplication", 1000, seed=0)  # 8 x 90 problems exist in all
+
+
+def test_the_student_sft_schedule_warms_up_then_stays_constant_or_decays_to_zero():
+    from fedopd.sandbox.train import lr_scale
+
+    # warmup 4 of 10 steps: 0.25, 0.5, 0.75, 1.0, then constant 1.0 or cosine 1 -> 0 over 6 steps
+    assert [lr_scale(s, 10, 4, "constant") for s in range(10)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    cosine = [lr_scale(s, 10, 4, "cosine") for s in range(4, 10)]
+    assert cosine == pytest.approx([1.0, 0.9330127, 0.75, 0.5, 0.25, 0.0669873])
+    with pytest.raises(ValueError, match="schedule"):
+        lr_scale(0, 10, 4, "linear")
