@@ -102,11 +102,14 @@ def batch_tensors(examples, pad_id: int):
     return ids, mask, labels
 
 
+SCHEDULES = ("cosine", "constant")  # after warmup: cosine to 0 (cooled down), or constant (left mid-training)
+
+
 def lr_scale(step: int, steps: int, warmup: int, schedule: str = "cosine") -> float:
     """The learning-rate factor of SFT step ``step`` (0-based) of ``steps``: linear warmup over
     ``warmup`` steps, then cosine decay to 0 at the end (``"cosine"``) or 1 (``"constant"``)."""
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -118,9 +121,7 @@ def sft(
     model, data: dict[str, list], *, steps: int, batch: int, lr: float, warmup: int, seed: int, log_every: int = 100,
     schedule: str = "cosine",
 ):
-    """AdamW, linear warmup then cosine decay to 0 (``schedule = "cosine"``) or a constant rate
-    (``"constant"``: the model is left mid-training, not cooled down); batches draw a group, then a
-    problem, uniformly."""
+    """AdamW at ``lr`` times :func:`lr_scale`; batches draw a group, then a problem, uniformly."""
     rng = np.random.default_rng(seed)
     pad = model.config.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--student-lr", type=float, default=1e-3, help="the student's learning rate after warmup")
-    p.add_argument("--student-schedule", choices=("cosine", "constant"), default="constant",
+    p.add_argument("--student-schedule", choices=SCHEDULES, default="constant",
                    help="after warmup: cosine to 0, or constant (a student left mid-training)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems per group for the record")
     p.add_argument("--only", choices=("teacher", "student"), help="retrain one model (the tokenizer must exist)")
