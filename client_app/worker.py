@@ -9,6 +9,9 @@ in each client's ``context.state``, never here.
 from __future__ import annotations
 
 from functools import lru_cache
+from logging import INFO
+
+from flwr.common.logger import log
 
 from fedopd.config import DataConfig, LoraSettings, ModelConfig, RunConfig
 from fedopd.data import (
@@ -21,6 +24,7 @@ from fedopd.data import (
 )
 from fedopd.round import ClientModels, load_client_models
 from fedopd.sandbox import task as sandbox
+from fedopd.vocab import ModelFiles, eos_conventions
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
 _LOADS = [0]
@@ -33,7 +37,12 @@ def model_loads() -> int:
 
 @lru_cache(maxsize=1)
 def worker_models(
-    model: ModelConfig, lora: LoraSettings, backend: str, max_model_len: int, gpu_memory_utilization: float
+    model: ModelConfig,
+    lora: LoraSettings,
+    backend: str,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    stop_tokens: str = "auto",
 ) -> ClientModels:
     """One student, teacher and rollout engine per process (a new config replaces the old).
 
@@ -43,7 +52,7 @@ def worker_models(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a 'Loading weights' bar per model and process is noise in a run's log
-    return load_client_models(
+    models = load_client_models(
         model.student,
         model.teacher,
         lora=lora,
@@ -51,7 +60,11 @@ def worker_models(
         dtype=model.dtype,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
+        stop_tokens=stop_tokens,
     )
+    note = eos_conventions(ModelFiles.of(models.student), ModelFiles.of(models.teacher))
+    log(INFO, "rollouts stop at %s%s", list(models.stop_tokens.tokens), f" ({note})" if note else "")
+    return models
 
 
 @lru_cache(maxsize=1)
@@ -83,15 +96,17 @@ def heldout_rows(data: DataConfig, partition_id: int, num_partitions: int, count
 def _models(cfg: RunConfig) -> ClientModels:
     r = cfg.rollout
     max_len = cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
-    return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization)
+    return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization, r.stop_tokens)
 
 
 def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int) -> tuple[Prompt, ...]:
-    held_out = cfg.eval.prompts_per_client if kind == "heldout" else None  # held-out problems do not depend on the seed
-    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.seed if held_out is None else None, cfg.model.student)
+    held_out = cfg.eval.prompts_per_client if kind == "heldout" else None
+    # The partition, the prompt pool and the held-out problems depend on data.seed (cfg.data), never
+    # on the training seed: runs with seeds 0, 1, 2 differ only in training randomness.
+    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.model.student)
     if key not in _PROMPTS:
         if kind == "train":
-            rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.seed)
+            rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.data.seed)
         else:
             rows = heldout_rows(cfg.data, partition_id, num_partitions, cfg.eval.prompts_per_client)
         source = f"{kind} prompts of client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"

@@ -25,7 +25,7 @@ from eval.metrics import avg_at_k, cap_hit_rate, macro_average, pass_at_k
 from fedopd.config import LoraSettings
 from fedopd.data import render_prompt
 from fedopd.grading import is_correct
-from fedopd.models import ADAPTER_CONFIG, attach_lora, load_adapter, load_causal_lm
+from fedopd.models import ADAPTER_CONFIG, ModelLoadError, attach_lora, load_adapter, load_causal_lm
 from fedopd.rollout import SamplingParams, make_rollout_engine
 
 METRICS = ("avg_at_k", "pass_at_k", "cap_hit")
@@ -35,6 +35,18 @@ def lora_settings_of(adapter: Path) -> LoraSettings:
     """Rank, alpha and targets of a PEFT adapter folder."""
     cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
     return LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), target_modules=tuple(sorted(cfg["target_modules"])))
+
+
+def evaluation_stop_tokens(model: str, teacher: str | None, setting: str):
+    """The stop set of an evaluation: the one training used (:func:`fedopd.vocab.resolve_stop_tokens`),
+    from the model's files and, when given, the teacher's; no weights are read."""
+    from fedopd.vocab import ModelFiles, check_same_vocabulary, resolve_stop_tokens
+
+    student = ModelFiles.load(model)
+    other = ModelFiles.load(teacher) if teacher else None
+    if other is not None:
+        check_same_vocabulary(student, other)
+    return resolve_stop_tokens(setting, student, other)
 
 
 def summarize(records: list[dict], samples: int) -> dict:
@@ -137,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--teacher", default=None,
+                   help="the run's teacher (hub id or folder): its EOS ids join the stop set, as in training")
+    p.add_argument("--stop-tokens", default="auto",
+                   help="'auto' (the model's and --teacher's EOS ids) or comma-separated tokens, as rollout.stop-tokens")
     p.add_argument("--max-new-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"))
@@ -171,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     labels = args.label or [f"{a.resolve().parent.name}_{a.resolve().name}" for a in args.adapter]
     targets = ([("base", None)] if args.base else []) + list(zip(labels, args.adapter))
     lora = lora_settings_of(args.adapter[0]) if args.adapter else LoraSettings()
+    try:
+        stop = evaluation_stop_tokens(args.model, args.teacher, args.stop_tokens)
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"note: responses end at {list(stop.tokens)}", file=sys.stderr)
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
     prompt_ids = encode_benchmarks(student.tokenizer, benchmarks)
     longest = max(len(ids) for ids in (i for batch in prompt_ids.values() for i in batch))
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(f"note: {note}", file=sys.stderr)
     engine = make_rollout_engine(
-        args.backend, student, max_model_len=longest + args.max_new_tokens,
+        args.backend, student, stop_token_ids=stop.ids, max_model_len=longest + args.max_new_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, batch_size=args.batch_size,
     )
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
@@ -200,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         summary.update(
             label=label, model=args.model, adapter=str(adapter) if adapter else None, seconds=time.perf_counter() - t0,
             sampling={"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p,
-                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "enable_thinking": False},
+                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "enable_thinking": False,
+                      "stop_tokens": list(stop.tokens)},
         )
         folder = args.out / label
         folder.mkdir(parents=True, exist_ok=True)

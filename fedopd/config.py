@@ -66,6 +66,7 @@ class DataConfig:
     prompts_per_client: int = 256
     max_prompt_tokens: int = 2048
     path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
+    seed: int = 42  # the partition, the prompt pool and the held-out selection; never the training seed
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU
+    stop_tokens: str = "auto"  # auto: the student's and the teacher's EOS ids; else comma-separated token strings
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class LoggingSettings:
 class RunConfig:
     num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
+    max_failed_rounds: int = 3  # stop the run (failed) after this many consecutive rounds without a valid update
     seed: int = 42
     output_dir: str = "runs"
     resume_from: str = ""  # a run folder to continue; "" = a new run
@@ -235,6 +238,7 @@ def _key(key: str, path: str, spec: tuple[type, Check, str]) -> None:
 _key("num-server-rounds", "num_server_rounds", _int(1))
 _key("num-clients", "num_clients", _int(0))
 _key("seed", "seed", _int(0))
+_key("max-failed-rounds", "max_failed_rounds", _int(1))
 _key("output-dir", "output_dir", _nonempty())
 _key("resume-from", "resume_from", (str, lambda v: True, "a run folder to continue, or '' for a new run"))
 _key("preset", "preset", _nonempty())
@@ -248,12 +252,16 @@ _key("data.name", "data.name", _choice(DATASETS))
 _key("data.prompts-per-client", "data.prompts_per_client", _int(1))
 _key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
 _key("data.path", "data.path", (str, lambda v: True, "a local file or folder, or '' for the hub"))
+_key("data.seed", "data.seed", _int(0))
 _key("rollout.backend", "rollout.backend", _choice(BACKENDS))
 _key("rollout.per-round", "rollout.per_round", _int(1))
 _key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
 _key("rollout.temperature", "rollout.temperature", _float(0.0, strict=True))
 _key("rollout.top-p", "rollout.top_p", _float(0.0, strict=True, hi=1.0))
 _key("rollout.gpu-memory-utilization", "rollout.gpu_memory_utilization", _float(0.0, strict=True, hi=1.0))
+_key("rollout.stop-tokens", "rollout.stop_tokens",
+     (str, lambda v: v.strip() == "auto" or all(t.strip() for t in v.split(",")),
+      "'auto' (the student's and the teacher's EOS ids) or a comma-separated list of token strings, e.g. '<|im_end|>,<|endoftext|>'"))
 _key("train.lr", "train.lr", _float(0.0, strict=True))
 _key("train.mini-batch", "train.mini_batch", _int(1))
 _key("train.micro-batch", "train.micro_batch", _int(1))
@@ -406,6 +414,14 @@ def _check_cross(cfg: RunConfig) -> None:
             f"'data.name' = {cfg.data.name!r} does not have; allowed: 0 (evaluate with python -m eval.run), "
             f"or data.name one of {', '.join(repr(d) for d in EVAL_DATASETS)}"
         )
+    if cfg.rollout.backend in ("vllm", "auto"):  # auto may pick vLLM on a GPU host
+        from fedopd.rollout_vllm import check_vllm_sampling
+
+        for key, value in (("rollout.temperature", cfg.rollout.temperature), ("eval.temperature", cfg.eval.temperature)):
+            try:
+                check_vllm_sampling(value, key)
+            except ValueError as err:
+                raise ConfigError(f"run config '{key}' = {value!r} is invalid with 'rollout.backend' = {cfg.rollout.backend!r}: {err}") from None
     if cfg.cache.rollouts > cfg.rollout.per_round:
         raise ConfigError(
             f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fedopd.config import LoraSettings
+from fedopd.errors import ModelLoadError  # re-exported: callers import it from here
 from fedopd.lora import name_mismatch
 
 # PEFT under transformers 5 calls a renamed property on every forward; the warning is upstream's.
@@ -33,10 +34,6 @@ warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is depre
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-class ModelLoadError(ValueError):
-    """A model name that cannot be resolved or loaded, or an incompatible student/teacher pair."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,17 +360,11 @@ def attach_lora(lm: CausalLM, settings: LoraSettings, seed: int) -> CausalLM:
 
 
 def check_same_tokenizer(student: CausalLM, teacher: CausalLM) -> None:
-    """Refuse a pair whose tokenizers differ (OPD compares distributions token id by token id)."""
-    s, t = student.tokenizer, teacher.tokenizer
-    problems = []
-    if s.get_vocab() != t.get_vocab():
-        problems.append(f"vocabularies differ ({len(s)} vs {len(t)} tokens)")
-    if s.eos_token_id != t.eos_token_id:
-        problems.append(f"eos token ids differ ({s.eos_token_id} vs {t.eos_token_id})")
-    if problems:
-        raise ModelLoadError(
-            f"student '{student.name}' and teacher '{teacher.name}' must share a tokenizer: " + "; ".join(problems)
-        )
+    """Refuse a pair whose vocabularies (token → id) differ: OPD compares distributions token id by
+    token id. Different EOS conventions are allowed (:func:`fedopd.vocab.check_same_vocabulary`)."""
+    from fedopd.vocab import ModelFiles, check_same_vocabulary
+
+    check_same_vocabulary(ModelFiles.of(student), ModelFiles.of(teacher))
 
 
 def load_pair(

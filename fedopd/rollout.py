@@ -102,15 +102,19 @@ class HFRolloutEngine(RolloutEngine):
     progress: Callable[[str], None] | None = None
     progress_every_s: float = 10.0
 
-    def __init__(self, student, batch_size: int = 32):
+    def __init__(self, student, batch_size: int = 32, stop_token_ids: Sequence[int] | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.student = student
         self.batch_size = batch_size
         tok = student.tokenizer
-        eos = student.causal_lm.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {int(e) for e in eos + [tok.eos_token_id] if e is not None}
+        if stop_token_ids is None:  # the student's own EOS ids (a run passes the pair's stop set)
+            from fedopd.vocab import ModelFiles, eos_ids
+
+            stop_token_ids = eos_ids(ModelFiles.of(student))
+        if not stop_token_ids:
+            raise ValueError(f"no stop token for '{student.name}': set rollout.stop-tokens")
+        self.eos_ids = {int(e) for e in stop_token_ids}
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def set_adapter(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -158,9 +162,26 @@ class HFRolloutEngine(RolloutEngine):
         return Rollouts([list(p) for p in prompts], responses, capped)
 
 
-def make_rollout_engine(backend: str, student, *, max_model_len: int = 8192, gpu_memory_utilization: float = 0.3, seed: int = 0, **hf_kwargs) -> RolloutEngine:
+def make_rollout_engine(
+    backend: str,
+    student,
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.3,
+    seed: int = 0,
+    **hf_kwargs,
+) -> RolloutEngine:
     """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
-    importable and CUDA is present, else HF). ``student`` is the LoRA-wrapped CausalLM."""
+    importable and CUDA is present, else HF). ``student`` is the LoRA-wrapped CausalLM.
+
+    ``stop_token_ids``: where responses end on either engine (:func:`fedopd.vocab.resolve_stop_tokens`);
+    None = the student's own EOS ids.
+    """
+    if stop_token_ids is None:
+        from fedopd.vocab import ModelFiles, eos_ids
+
+        stop_token_ids = eos_ids(ModelFiles.of(student))
     from fedopd.rollout_vllm import VLLMRolloutEngine, vllm_available
 
     if backend not in ("auto", "hf", "vllm"):
@@ -178,5 +199,6 @@ def make_rollout_engine(backend: str, student, *, max_model_len: int = 8192, gpu
             gpu_memory_utilization=gpu_memory_utilization,
             dtype="bfloat16" if student.dtype == torch.bfloat16 else "auto",
             seed=seed,
+            stop_token_ids=list(stop_token_ids),
         )
-    return HFRolloutEngine(student, **hf_kwargs)
+    return HFRolloutEngine(student, stop_token_ids=stop_token_ids, **hf_kwargs)

@@ -8,11 +8,37 @@ response hit the cap when its finish reason is ``"length"``.
 
 Every request gets its own seed derived from the call's seed and its position, so repeated
 prompts (8 samples of one problem) are independent draws and a call is reproducible.
+
+vLLM's arguments are built by small pure functions (:func:`llm_kwargs`, :func:`sampling_kwargs`,
+:func:`lora_request_kwargs`, :func:`finished`) that do not import vLLM, so they are tested without
+it. What they rely on was read in vLLM's source (main, 2026; file paths below):
+
+- ``vllm/config/lora.py``: ``MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]`` is the
+  type of ``LoRAConfig.max_lora_rank`` (pydantic-validated), so the adapter's rank is rounded up
+  to the next allowed value; an adapter of lower rank than ``max_lora_rank`` is served as is.
+- ``vllm/sampling_params.py`` ``SamplingParams._verify_args``: temperature must be in [0, 2]
+  ("temperature must be in [0, 2]"); ``top_k`` "quietly accept -1 as disabled, but prefer 0";
+  temperature below 1e-5 is greedy (``__post_init__`` then resets top_p/top_k/min_p).
+- ``vllm/entrypoints/llm.py`` ``LLM.generate``: the model's ``generation_config.json`` sampling
+  defaults (``ModelConfig.get_diff_sampling_param``: repetition_penalty, temperature, top_k, top_p,
+  min_p, max_new_tokens) are used only when ``sampling_params is None``; explicit SamplingParams
+  keep their own fields. ``generation_config="vllm"`` (``vllm/config/model.py``) makes those
+  defaults empty anyway, while ``try_get_generation_config`` still reads the file for its EOS ids
+  (``vllm/v1/engine/input_processor.py`` -> ``SamplingParams.update_from_generation_config``,
+  which touches only EOS/stop ids). We do both, and set every sampling field explicitly.
+- ``vllm/v1/core/sched/scheduler.py`` ``_update_request_with_output`` appends each sampled token
+  *before* ``check_stop`` (``vllm/v1/core/sched/utils.py``) and trims only the tokens after it;
+  ``vllm/v1/engine/detokenizer.py`` puts the skipped stop token back into ``token_ids``
+  ("Cleanup after skipping detokenization"). So ``CompletionOutput.token_ids`` ends with the
+  matched stop token id, as our :class:`~fedopd.rollout.Rollouts` contract needs.
+- ``vllm/v1/engine/__init__.py``: ``FINISH_REASON_STRINGS = ("stop", "length", "abort", "error",
+  "repetition")``; only "stop" and "length" are finished responses here.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +49,10 @@ import numpy as np
 from fedopd.lora import name_mismatch
 from fedopd.models import save_adapter
 from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+VLLM_MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py SamplingParams._verify_args: temperature in [0, 2]
+FINISHED_REASONS = ("stop", "length")
 
 
 def vllm_available() -> bool:
@@ -39,6 +69,123 @@ def request_seeds(seed: int, count: int) -> list[int]:
     return [int(s) for s in np.random.SeedSequence(seed).generate_state(count)]
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``."""
+    rank = int(rank)
+    if rank < 1:
+        raise ValueError(f"lora.rank = {rank}: must be >= 1")
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"lora.rank = {rank} is above the largest LoRA rank vLLM serves ({VLLM_MAX_LORA_RANKS[-1]}; "
+        f"max_lora_rank is one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}); lower lora.rank or use rollout.backend = 'hf'"
+    )
+
+
+def check_vllm_sampling(temperature: float, key: str) -> None:
+    """Refuse a temperature vLLM's ``SamplingParams`` would refuse; ``key`` names the run-config key."""
+    t = float(temperature)
+    if not (math.isfinite(t) and 0.0 <= t <= VLLM_MAX_TEMPERATURE):
+        raise ValueError(
+            f"{key} = {temperature!r} is outside [0, {VLLM_MAX_TEMPERATURE:g}], the temperatures vLLM's "
+            f"SamplingParams accepts; lower {key} or use rollout.backend = 'hf'"
+        )
+
+
+def llm_kwargs(
+    model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int
+) -> dict:
+    """Arguments of ``vllm.LLM`` for a student served with one LoRA adapter at a time."""
+    return dict(
+        model=model,
+        enable_lora=True,
+        max_lora_rank=vllm_lora_rank(lora_rank),
+        max_loras=1,
+        max_model_len=int(max_model_len),
+        gpu_memory_utilization=float(gpu_memory_utilization),
+        dtype=dtype,
+        seed=int(seed),
+        # No sampling defaults from the model's generation_config.json (vllm/config/model.py
+        # get_diff_sampling_param returns {} for "vllm"); its EOS ids are still read.
+        generation_config="vllm",
+    )
+
+
+def sampling_kwargs(params: SamplingParams, seed: int, stop_token_ids: Sequence[int]) -> dict:
+    """Arguments of one request's ``vllm.SamplingParams``: exactly our config's sampling.
+
+    Temperature and top-p from ``params``; no top-k (0), no min-p, no penalties, whatever the
+    model's generation config recommends. Temperature 0 is greedy in vLLM. With a stop set, the
+    request ends at exactly those ids (``ignore_eos=True`` drops vLLM's own EOS, which otherwise
+    comes from the tokenizer and generation_config.json), as the HF engine does; with none, at
+    vLLM's default EOS ids.
+    """
+    check_vllm_sampling(params.temperature, "temperature")
+    stop = [int(t) for t in stop_token_ids]
+    return dict(
+        n=1,
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=0,  # vllm/sampling_params.py: "quietly accept -1 as disabled, but prefer 0"
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        max_tokens=int(params.max_new_tokens),
+        seed=int(seed),
+        stop_token_ids=stop,
+        ignore_eos=bool(stop),
+    )
+
+
+def lora_request_kwargs(adapter_id: int, folder: str | Path) -> dict:
+    """Arguments of ``vllm.lora.request.LoRARequest`` (by keyword) for adapter number ``adapter_id``."""
+    adapter_id = int(adapter_id)
+    if adapter_id < 1:  # vLLM reserves lora_int_id 0 for "no adapter"
+        raise ValueError(f"adapter id must be >= 1, got {adapter_id}")
+    return dict(lora_name=f"fedtops-{adapter_id}", lora_int_id=adapter_id, lora_path=str(folder))
+
+
+def finished(
+    token_ids: Sequence[int],
+    finish_reason: str | None,
+    stop_token_ids: Sequence[int],
+    index: int,
+    stop_reason: int | str | None = None,
+) -> tuple[list[int], bool]:
+    """One completion as ``(response ids, capped)`` under the :class:`~fedopd.rollout.Rollouts`
+    contract: the response ends with a stop token unless capped.
+
+    ``finish_reason`` "length" is capped (unless the last token is a stop token: older vLLM checks
+    the length before the stop set); "stop" must end with a stop id (vLLM keeps it; were it dropped,
+    ``stop_reason``, the matched id, is appended). Anything else ("abort", "error", "repetition",
+    None) is an error naming the request ``index``.
+    """
+    tokens = [int(t) for t in token_ids]
+    stop = {int(t) for t in stop_token_ids}
+    if finish_reason not in FINISHED_REASONS:
+        raise RuntimeError(
+            f"vLLM request {index} did not finish: finish_reason = {finish_reason!r} "
+            f"(expected 'stop' or 'length') after {len(tokens)} tokens"
+        )
+    if finish_reason == "length":
+        return tokens, not (stop and tokens and tokens[-1] in stop)
+    if not stop:  # no stop set of ours: vLLM's own EOS ended it
+        if not tokens:
+            raise RuntimeError(f"vLLM request {index}: finish_reason 'stop' with an empty response")
+        return tokens, False
+    if tokens and tokens[-1] in stop:
+        return tokens, False
+    if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) and stop_reason in stop:
+        return tokens + [int(stop_reason)], False
+    last = tokens[-1] if tokens else None
+    raise RuntimeError(
+        f"vLLM request {index}: finish_reason 'stop' but the response ends with {last!r}, not a stop token "
+        f"{sorted(stop)} (stop_reason = {stop_reason!r})"
+    )
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Generation with vLLM for a student whose LoRA factors change every round.
 
@@ -48,10 +195,13 @@ class VLLMRolloutEngine(RolloutEngine):
         Hub id or local folder of the base student (resolved by ``fedopd.models``).
     names, lora_config
         The adapter's factor names (wire order) and ``peft.LoraConfig``, to write adapter folders.
+        Its rank ``r`` is rounded up to a ``max_lora_rank`` vLLM accepts (:func:`vllm_lora_rank`).
     max_model_len : int
         Prompt plus response tokens (``data.max-prompt-tokens + rollout.max-new-tokens``).
     gpu_memory_utilization : float
         vLLM's share of the GPU (weights + KV cache), leaving the rest to the HF student and teacher.
+    stop_token_ids : sequence of int
+        Where responses end (kept as their last token); empty = vLLM's default (the model's EOS ids).
     """
 
     def __init__(
@@ -64,22 +214,19 @@ class VLLMRolloutEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         dtype: str = "bfloat16",
         seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
         workdir: str | Path | None = None,
     ) -> None:
+        kwargs = llm_kwargs(
+            model, lora_rank=int(lora_config.r), max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
+        )  # checks the rank before vLLM starts
         from vllm import LLM
 
         self.names = list(names)
         self.lora_config = lora_config
-        self.llm = LLM(
-            model=model,
-            enable_lora=True,
-            max_lora_rank=int(lora_config.r),
-            max_loras=1,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=dtype,
-            seed=seed,
-        )
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.llm = LLM(**kwargs)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedtops-vllm-adapters-"))
         self._next_id = 0
@@ -97,7 +244,7 @@ class VLLMRolloutEngine(RolloutEngine):
         previous = self.workdir / f"adapter-{self._next_id - 2:06d}"
         if previous.exists():  # vLLM has loaded it long ago; keep only the last two folders
             shutil.rmtree(previous, ignore_errors=True)
-        self._request = LoRARequest(f"fedtops-{self._next_id}", self._next_id, str(folder))
+        self._request = LoRARequest(**lora_request_kwargs(self._next_id, folder))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -106,20 +253,23 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._request is None:
             raise RuntimeError("VLLMRolloutEngine.generate before set_adapter: which student weights?")
         sampling = [
-            VLLMSamplingParams(
-                n=1, temperature=params.temperature, top_p=params.top_p, top_k=-1, min_p=0.0,
-                max_tokens=params.max_new_tokens, seed=s,
-            )
+            VLLMSamplingParams(**sampling_kwargs(params, s, self.stop_token_ids))
             for s in request_seeds(params.seed, len(prompts))
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, lora_request=self._request, use_tqdm=False
         )
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         responses, capped = [], []
-        for out in outputs:
+        for i, out in enumerate(outputs):
             completion = out.outputs[0]
-            responses.append(list(completion.token_ids))
-            capped.append(completion.finish_reason == "length")
+            response, hit = finished(
+                completion.token_ids, completion.finish_reason, self.stop_token_ids, i,
+                stop_reason=getattr(completion, "stop_reason", None),
+            )
+            responses.append(response)
+            capped.append(hit)
         return Rollouts([list(p) for p in prompts], responses, capped)
 
     def close(self) -> None:

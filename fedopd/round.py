@@ -19,6 +19,7 @@ from fedopd.grading import is_correct
 from fedopd.models import CausalLM, load_pair
 from fedopd.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
 from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams, make_rollout_engine
+from fedopd.vocab import ModelFiles, StopTokens, resolve_stop_tokens
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ClientModels:
     student: CausalLM  # with a LoRA adapter; its factors are loaded per use
     teacher: CausalLM
     rollout: RolloutEngine
+    stop_tokens: StopTokens | None = None  # where the rollout engine ends responses
 
 
 def load_client_models(
@@ -40,17 +42,23 @@ def load_client_models(
     seed: int = 0,
     max_model_len: int = 8192,
     gpu_memory_utilization: float = 0.3,
+    stop_tokens: str = "auto",
 ) -> ClientModels:
     """Student (LoRA attached), teacher and the rollout engine for ``backend``.
+
+    Responses end at the pair's stop set (``rollout.stop-tokens``; ``auto``: every EOS id the
+    student or the teacher declares, so a Base student stops where the chat turn ends).
 
     With vLLM, the engine asks for ``gpu_memory_utilization`` of the whole GPU, which must still
     be free after the HF student and teacher are loaded (README: memory split per card).
     """
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
+    stop = resolve_stop_tokens(stop_tokens, ModelFiles.of(s), ModelFiles.of(t))
     engine = make_rollout_engine(
-        backend, s, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, seed=seed
+        backend, s, stop_token_ids=stop.ids, max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
     )
-    return ClientModels(s, t, engine)
+    return ClientModels(s, t, engine, stop)
 
 
 def derive_seed(*parts: int) -> int:

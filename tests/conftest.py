@@ -55,3 +55,12 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(scope="session")
+def model_copies(tmp_path_factory):
+    """Folders of sandbox-model copies with real checkpoints' metadata (tests/model_fixtures.py), by name."""
+    from model_fixtures import BUILDERS
+
+    root = tmp_path_factory.mktemp("model-copies")
+    return {name: str(build(root / name)) for name, build in BUILDERS.items()}

@@ -112,3 +112,28 @@ def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
     assert "'strategy.multiplier' is not set" in capsys.readouterr().err
     assert main(["-c", "train.lr=abc"]) == 1  # not TOML: Flower's own message
     assert "invalid format" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["vllm", "auto"])
+@pytest.mark.parametrize("key", ["rollout.temperature", "eval.temperature"])
+def test_a_temperature_above_two_is_refused_where_vllm_may_sample(backend, key):
+    """vLLM's SamplingParams refuses temperatures above 2; 'auto' may choose vLLM on a GPU host."""
+    with pytest.raises(ConfigError, match=f"'{key}' = 2.5 is invalid with 'rollout.backend' = '{backend}'"):
+        parse_run_config({"rollout.backend": backend, key: 2.5})
+    assert parse_run_config({"rollout.backend": backend, key: 2.0})  # the bound itself is allowed
+
+
+def test_a_temperature_above_two_is_allowed_on_the_hf_engine():
+    assert parse_run_config({"rollout.backend": "hf", "rollout.temperature": 2.5}).rollout.temperature == 2.5
+
+
+@pytest.mark.parametrize("value", ["", " , ", "<|im_end|>,,<|endoftext|>"])
+def test_stop_tokens_must_be_auto_or_a_list_of_tokens(value):
+    with pytest.raises(ConfigError, match="'rollout.stop-tokens'"):
+        parse_run_config({"rollout.stop-tokens": value})
+
+
+def test_data_seed_is_a_non_negative_integer_with_the_papers_42_as_default():
+    assert RunConfig().data.seed == 42
+    with pytest.raises(ConfigError, match="'data.seed' = -1 is invalid; allowed: an integer >= 0"):
+        parse_run_config({"data.seed": -1})

@@ -67,6 +67,7 @@ def test_eval_run_writes_graded_responses_and_a_summary(workspace, eval_output):
         assert tiny["problems"] == 3 and tiny["samples"] == 4
         assert tiny["cap_hit"] == pytest.approx(100 * np.mean([r["capped"] for r in records]))
         assert summary["sampling"]["top_p"] == 0.8 and summary["sampling"]["seed"] == 0
+        assert summary["sampling"]["stop_tokens"] == ["<|im_end|>"]  # the tiny student's own EOS, no --teacher
     base = [json.loads(l)["response"] for l in (workspace / "results" / "base" / "responses.jsonl").read_text().splitlines()]
     trained = [json.loads(l)["response"] for l in (workspace / "results" / "trained" / "responses.jsonl").read_text().splitlines()]
     assert base != trained  # the adapter is applied

@@ -1,0 +1,88 @@
+"""Copies of the sandbox models whose files declare what real checkpoints declare.
+
+The weights and the vocabulary are the sandbox's (ids: 0 ``<|endoftext|>``, 1 ``<|im_start|>``,
+2 ``<|im_end|>``, as Qwen's 151643 / 151644 / 151645); only the metadata changes, mirroring:
+
+- ``base-student``: a Base model that declares only its pre-training EOS, ``<|endoftext|>``, in
+  its tokenizer, config and generation config (Qwen2.5-Coder-7B Base: config ``eos_token_id``
+  151643, QwenLM/Qwen3-Coder issue 182; Llama 3.x Base likewise declares ``<|end_of_text|>``).
+- ``qwen3-base-student``: Qwen3 Base's inconsistent files: the tokenizer says ``<|im_end|>``
+  while ``config.json`` and ``generation_config.json`` say ``<|endoftext|>`` (QwenLM/Qwen3 issue
+  1422, "Inconsistent eos_token across config.json, generation_config.json, and
+  tokenizer_config.json in Qwen 3 Base models").
+- ``instruct-teacher``: an instruct model whose generation config lists both EOS ids and ships
+  its own sampling defaults (Qwen/Qwen3-8B ``generation_config.json``: ``do_sample`` true,
+  ``eos_token_id`` [151645, 151643], ``temperature`` 0.6, ``top_k`` 20, ``top_p`` 0.95).
+- ``instruct-student``: the student with those sampling defaults in its generation config.
+- ``other-vocab-teacher``: the teacher with two tokens' ids swapped (a different vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+ENDOFTEXT, IM_START, IM_END = 0, 1, 2
+QWEN3_INSTRUCT_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _copy(source: str, dest: Path) -> Path:
+    from fedopd.sandbox import sandbox_model_path
+
+    shutil.copytree(sandbox_model_path(source), dest)
+    return dest
+
+
+def base_student(dest: Path) -> Path:
+    path = _copy("sandbox-student", dest)
+    _edit_json(path / "tokenizer_config.json", eos_token="<|endoftext|>")
+    _edit_json(path / "config.json", eos_token_id=ENDOFTEXT)
+    _edit_json(path / "generation_config.json", eos_token_id=ENDOFTEXT)
+    return path
+
+
+def qwen3_base_student(dest: Path) -> Path:
+    path = _copy("sandbox-student", dest)
+    _edit_json(path / "tokenizer_config.json", eos_token="<|im_end|>")
+    _edit_json(path / "config.json", eos_token_id=ENDOFTEXT)
+    _edit_json(path / "generation_config.json", eos_token_id=ENDOFTEXT)
+    return path
+
+
+def instruct_teacher(dest: Path) -> Path:
+    path = _copy("sandbox-teacher", dest)
+    _edit_json(path / "tokenizer_config.json", eos_token="<|im_end|>")
+    _edit_json(path / "generation_config.json", eos_token_id=[IM_END, ENDOFTEXT], **QWEN3_INSTRUCT_SAMPLING)
+    return path
+
+
+def instruct_student(dest: Path) -> Path:
+    path = _copy("sandbox-student", dest)
+    _edit_json(path / "generation_config.json", eos_token_id=[IM_END, ENDOFTEXT], **QWEN3_INSTRUCT_SAMPLING)
+    return path
+
+
+def other_vocab_teacher(dest: Path) -> Path:
+    """Tokens '7' and '8' trade ids: same size, another token -> id map."""
+    path = _copy("sandbox-teacher", dest)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["7"], vocab["8"] = vocab["8"], vocab["7"]
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+BUILDERS = {
+    "base-student": base_student,
+    "qwen3-base-student": qwen3_base_student,
+    "instruct-teacher": instruct_teacher,
+    "instruct-student": instruct_student,
+    "other-vocab-teacher": other_vocab_teacher,
+}

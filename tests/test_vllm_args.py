@@ -1,0 +1,275 @@
+"""vLLM's arguments, built without vLLM (fedopd.rollout_vllm's pure functions), and one real run
+of the engine where vLLM and CUDA exist."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from fedopd.rollout import SamplingParams
+from fedopd.rollout_vllm import (
+    VLLM_MAX_LORA_RANKS,
+    VLLM_MAX_TEMPERATURE,
+    check_vllm_sampling,
+    finished,
+    llm_kwargs,
+    lora_request_kwargs,
+    request_seeds,
+    sampling_kwargs,
+    vllm_lora_rank,
+)
+
+
+# --- LoRA rank: vllm/config/lora.py MaxLoRARanks ---------------------------------------------
+
+
+def test_allowed_lora_ranks_are_vllms():
+    assert VLLM_MAX_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@pytest.mark.parametrize("rank, served", [(1, 1), (2, 8), (4, 8), (8, 8), (12, 16), (16, 16), (300, 320), (320, 320), (512, 512)])
+def test_lora_rank_rounds_up_to_an_allowed_max_lora_rank(rank, served):
+    assert vllm_lora_rank(rank) == served
+
+
+def test_lora_rank_above_vllms_largest_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"lora\.rank = 600 .*512"):
+        vllm_lora_rank(600)
+    with pytest.raises(ValueError, match=r"lora\.rank = 0"):
+        vllm_lora_rank(0)
+
+
+def test_llm_kwargs():
+    kw = llm_kwargs("/models/student", lora_rank=4, max_model_len=3072, gpu_memory_utilization=0.25, dtype="bfloat16", seed=3)
+    assert kw == {
+        "model": "/models/student",
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 1,
+        "max_model_len": 3072,
+        "gpu_memory_utilization": 0.25,
+        "dtype": "bfloat16",
+        "seed": 3,
+        "generation_config": "vllm",
+    }
+    assert llm_kwargs("m", lora_rank=12, max_model_len=8, gpu_memory_utilization=0.3, dtype="auto", seed=0)["max_lora_rank"] == 16
+    with pytest.raises(ValueError, match=r"lora\.rank = 600"):
+        llm_kwargs("m", lora_rank=600, max_model_len=8, gpu_memory_utilization=0.3, dtype="auto", seed=0)
+
+
+# --- temperature: vllm/sampling_params.py refuses > 2 ----------------------------------------
+
+
+def test_vllm_temperature_bound():
+    assert VLLM_MAX_TEMPERATURE == 2.0
+    for t in (0.0, 0.6, 1.0, 2.0):
+        check_vllm_sampling(t, "rollout.temperature")
+
+
+@pytest.mark.parametrize("key", ["rollout.temperature", "eval.temperature"])
+def test_temperature_above_two_is_refused_naming_the_key(key):
+    with pytest.raises(ValueError) as err:
+        check_vllm_sampling(2.5, key)
+    assert f"{key} = 2.5" in str(err.value) and "[0, 2]" in str(err.value)
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        check_vllm_sampling(float("nan"), key)
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        check_vllm_sampling(-0.1, key)
+
+
+# --- sampling: exactly our config, whatever the model ships -----------------------------------
+
+
+def test_sampling_kwargs_are_exactly_our_config():
+    kw = sampling_kwargs(SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1), seed=12345, stop_token_ids=(151645, 151643))
+    assert kw == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 64,
+        "seed": 12345,
+        "stop_token_ids": [151645, 151643],
+        "ignore_eos": True,
+    }
+    assert type(kw["stop_token_ids"]) is list
+
+
+def test_sampling_kwargs_greedy_and_without_stop_set():
+    kw = sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=0.0), seed=0, stop_token_ids=())
+    assert kw["temperature"] == 0.0 and kw["top_k"] == 0 and kw["stop_token_ids"] == [] and kw["ignore_eos"] is False
+
+
+def test_sampling_kwargs_refuse_a_temperature_vllm_refuses():
+    with pytest.raises(ValueError, match=r"temperature = 2\.5"):
+        sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=2.5), seed=0, stop_token_ids=(2,))
+
+
+def test_each_request_gets_its_own_seed():
+    seeds = request_seeds(7, 4)
+    kws = [sampling_kwargs(SamplingParams(max_new_tokens=8, seed=7), s, (2,)) for s in seeds]
+    assert [k["seed"] for k in kws] == seeds and len(set(seeds)) == 4
+
+
+# --- LoRARequest by keyword --------------------------------------------------------------------
+
+
+def test_lora_request_kwargs():
+    assert lora_request_kwargs(3, "/tmp/adapters/adapter-000003") == {
+        "lora_name": "fedtops-3",
+        "lora_int_id": 3,
+        "lora_path": "/tmp/adapters/adapter-000003",
+    }
+    assert lora_request_kwargs(4, "x")["lora_name"] != lora_request_kwargs(3, "x")["lora_name"]
+    with pytest.raises(ValueError, match="adapter id"):
+        lora_request_kwargs(0, "x")
+
+
+# --- finish reasons -----------------------------------------------------------------------------
+
+
+def test_stop_keeps_the_stop_token():
+    assert finished([5, 6, 2], "stop", [2, 9], 0) == ([5, 6, 2], False)
+    assert finished((5, 9), "stop", [2, 9], 0, stop_reason=9) == ([5, 9], False)
+
+
+def test_stop_token_dropped_by_vllm_is_appended():
+    assert finished([5, 6], "stop", [2, 9], 0, stop_reason=9) == ([5, 6, 9], False)
+
+
+def test_stop_without_a_stop_token_is_an_error():
+    with pytest.raises(RuntimeError, match=r"request 3: finish_reason 'stop' but the response ends with 6"):
+        finished([5, 6], "stop", [2, 9], 3)
+
+
+def test_stop_without_a_stop_set_of_ours():
+    assert finished([5, 6, 7], "stop", [], 0) == ([5, 6, 7], False)
+
+
+def test_length_is_capped():
+    assert finished([5, 6, 7], "length", [2], 0) == ([5, 6, 7], True)
+    assert finished([5, 6, 7], "length", [], 0) == ([5, 6, 7], True)
+    # older vLLM checks the length before the stop set: a stop token at the cap is finished
+    assert finished([5, 6, 2], "length", [2], 0) == ([5, 6, 2], False)
+
+
+@pytest.mark.parametrize("reason", ["abort", "error", "repetition", None])
+def test_other_finish_reasons_are_errors(reason):
+    with pytest.raises(RuntimeError) as err:
+        finished([5, 6, 2], reason, [2], 4)
+    assert "request 4" in str(err.value) and repr(reason) in str(err.value)
+
+
+# --- the engine's wiring, against a stand-in vllm module (no vLLM needed) -----------------------
+
+
+class _FakeVLLM:
+    """Records what the engine hands vLLM; answers with scripted (token_ids, finish_reason)."""
+
+    def __init__(self):
+        self.llm_kwargs, self.lora_requests, self.calls, self.script = None, [], [], []
+        fake = self
+
+        class LLM:
+            def __init__(self, **kwargs):
+                fake.llm_kwargs = kwargs
+
+            def generate(self, prompts, sampling, *, lora_request, use_tqdm):
+                fake.calls.append((prompts, sampling, lora_request))
+                return [
+                    types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=t, finish_reason=f, stop_reason=None)])
+                    for t, f in fake.script
+                ]
+
+        class LoRARequest:
+            def __init__(self, *, lora_name, lora_int_id, lora_path):  # keywords only
+                self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+        class VSamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+
+        self.modules = {
+            "vllm": types.SimpleNamespace(LLM=LLM, SamplingParams=VSamplingParams),
+            "vllm.lora": types.SimpleNamespace(),
+            "vllm.lora.request": types.SimpleNamespace(LoRARequest=LoRARequest),
+            "vllm.inputs": types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}),
+        }
+
+
+def test_engine_hands_vllm_the_built_arguments(monkeypatch, tmp_path):
+    from fedopd.config import LoraSettings
+    from fedopd.models import lora_config
+    from fedopd.rollout_vllm import VLLMRolloutEngine
+
+    fake = _FakeVLLM()
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    names = ["a.lora_A.weight", "a.lora_B.weight"]
+    engine = VLLMRolloutEngine(
+        "/models/student", names, lora_config(LoraSettings(rank=4, target_modules=("q_proj",))),
+        max_model_len=128, gpu_memory_utilization=0.2, dtype="bfloat16", seed=5, stop_token_ids=(2, 9), workdir=tmp_path,
+    )
+    assert fake.llm_kwargs["max_lora_rank"] == 8 and fake.llm_kwargs["generation_config"] == "vllm"
+    arrays = {"a.lora_A.weight": np.zeros((4, 8), np.float32), "a.lora_B.weight": np.zeros((8, 4), np.float32)}
+    for expected_id in (1, 2):
+        engine.set_adapter(arrays)
+        assert (engine._request.lora_name, engine._request.lora_int_id) == (f"fedtops-{expected_id}", expected_id)
+    fake.script = [([5, 2], "stop"), ([5, 6, 7], "length")]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, seed=11)
+    out = engine.generate([[1, 2], [1, 3]], params)
+    assert out.response_ids == [[5, 2], [5, 6, 7]] and out.capped == [False, True]
+    _, sampling, request = fake.calls[-1]
+    assert [s.kwargs for s in sampling] == [sampling_kwargs(params, s, (2, 9)) for s in request_seeds(11, 2)]
+    assert request.lora_int_id == 2
+    fake.script = [([5, 2], "stop"), ([5], "abort")]
+    with pytest.raises(RuntimeError, match=r"request 1 did not finish: finish_reason = 'abort'"):
+        engine.generate([[1, 2], [1, 3]], params)
+    engine.close()
+
+
+# --- the real engine (vLLM + CUDA) ---------------------------------------------------------------
+
+
+def test_real_vllm_engine_on_the_sandbox_student():
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: vLLM cannot run")
+    from fedopd.config import LoraSettings
+    from fedopd.models import attach_lora, load_causal_lm, resolve_model_path
+    from fedopd.rollout_vllm import VLLMRolloutEngine
+
+    name = "builtin:sandbox-student"
+    student = attach_lora(load_causal_lm(name), LoraSettings(rank=4, alpha=8.0), seed=0)  # rank 4 -> max_lora_rank 8
+    stop = sorted({int(student.tokenizer.eos_token_id)})
+    engine = VLLMRolloutEngine(
+        resolve_model_path(name), student.lora_names(), student.lora_config,
+        max_model_len=256, gpu_memory_utilization=0.2, dtype="bfloat16", seed=0, stop_token_ids=stop,
+    )
+    try:
+        arrays = student.get_lora_arrays()
+        engine.set_adapter(arrays)
+        prompt = student.tokenizer("1+1=")["input_ids"]
+        prompts = [prompt] * 4
+        for params in (SamplingParams(max_new_tokens=24, temperature=1.0, seed=3), SamplingParams(max_new_tokens=24, temperature=0.0)):
+            out = engine.generate(prompts, params)
+            assert len(out) == 4
+            for r, capped in zip(out.response_ids, out.capped):
+                assert 1 <= len(r) <= 24
+                assert capped or r[-1] in stop  # the contract: ends with the stop token unless capped
+                assert not capped or len(r) == 24
+            again = engine.generate(prompts, params)
+            assert again.response_ids == out.response_ids  # reproducible per-request seeds
+        greedy = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
+        assert len(set(map(tuple, greedy.response_ids))) == 1
+        engine.set_adapter({n: np.zeros_like(a) for n, a in arrays.items()})  # a fresh name and id
+        engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
+    finally:
+        engine.close()
