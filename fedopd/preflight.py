@@ -1,0 +1,352 @@
+"""Check a host in seconds before a multi-hour run: ``python -m fedopd.preflight [PRESET.toml] [--run-config ...]``.
+
+Loads no weights: it reads the run config, the models' tokenizers and configs, and their
+safetensors headers. It checks, in order:
+
+1. the run config (as ``flwr run`` would receive it, over the app's defaults);
+2. that both models resolve (a local folder, the hub cache, or a reachable hub);
+3. that the pair is compatible (one vocabulary; logit rows cover the tokenizer);
+4. that the chat template renders the paper's prompt with ``enable_thinking=False`` and that the
+   token ending an assistant turn is in the stop set;
+5. the resolved stop set (``rollout.stop-tokens``);
+6. how many prompts per client survive the ``data.max-prompt-tokens`` filter;
+7. whether vLLM, flash-attention and CUDA are present, and which engine ``rollout.backend = auto``
+   picks;
+8. an estimate of GPU memory (teacher, HF student, vLLM's share, loss chunk, activations) against
+   the card's free memory (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
+
+It prints one table and exits 1 on any problem; each failing row names the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fedopd.config import ConfigError, RunConfig, app_defaults, check_server_requirements, load_preset, overrides_from_args, parse_run_config
+from fedopd.errors import ModelLoadError
+
+GIB = 1024**3
+OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
+# Bytes per parameter of the compute dtype on a GPU (model.dtype = auto is bf16 there).
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+# fp32 (positions x vocabulary) arrays alive at the peak of one chunk of the reverse-KL loss: the
+# student's and teacher's logits, their log-softmaxes, the student's probabilities and the
+# gradient. Measured: 4.14 GiB at H = 1024, V = 151,936, 1,024 positions (docs: loss benchmark)
+# = 7.0 such arrays.
+LOSS_CHUNK_ARRAYS = 7
+# Activation bytes per token, per layer and per unit of hidden size kept for the backward pass of a
+# 16-bit transformer layer with a fused attention kernel: 34 (Korthikanti et al., "Reducing
+# Activation Recomputation in Large Transformer Models", 2022, eq. 1 without the attention-score
+# term that flash/SDPA kernels do not store). With gradient checkpointing a layer keeps only its
+# 16-bit input (2 bytes) and one layer at a time is recomputed in full.
+ACTIVATION_BYTES, CHECKPOINTED_BYTES = 34, 2
+CUDA_CONTEXT_GIB = 0.75  # CUDA context and allocator slack per process
+
+
+@dataclass
+class Row:
+    check: str
+    status: str
+    detail: str
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, check: str, status: str, detail: str) -> None:
+        self.rows.append(Row(check, status, detail))
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == FAIL for r in self.rows)
+
+    def table(self) -> str:
+        width = max(len(r.check) for r in self.rows)
+        lines = [f"{'check'.ljust(width)}  status  detail", f"{'-' * width}  ------  ------"]
+        lines += [f"{r.check.ljust(width)}  {r.status.ljust(6)}  {r.detail}" for r in self.rows]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models without weights
+# ---------------------------------------------------------------------------------------------
+
+
+def locate_model(name: str, *, hub_timeout: float = 5.0) -> tuple[str, str]:
+    """(where the model's files are, how they were found): a local folder, the hub cache, or the hub.
+
+    Raises :class:`ModelLoadError` naming the fix when none has it.
+    """
+    from fedopd.models import resolve_model_path
+
+    path = resolve_model_path(name)
+    if Path(path).is_dir():
+        return path, "local folder" if not name.startswith("builtin:") else "built-in"
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    if isinstance(cached, str):
+        return path, "hub cache"
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().model_info(path, timeout=hub_timeout)
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo or gated: all mean "not reachable"
+        raise ModelLoadError(
+            f"'{name}' is neither a local folder nor in the hub cache, and the hub does not answer "
+            f"({type(err).__name__}); download it first (huggingface-cli download {name}) or give a local folder"
+        ) from None
+    return path, "hub (not cached yet: the first run downloads it)"
+
+
+def weight_parameters(path: str) -> int | None:
+    """Parameters of a local model folder from its safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    total = 0
+    for name in files:
+        if not (folder / name).is_file():
+            return None
+        with safe_open(str(folder / name), framework="numpy") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def estimated_parameters(config) -> int:
+    """A decoder-only model's parameters from its config, where no weights are on disk yet."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * config.intermediate_size
+    embeddings = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return layers * (attention + mlp) + embeddings
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+
+def memory_estimate(cfg: RunConfig, student_config, teacher_config, student_params: int, teacher_params: int,
+                    total_gib: float, backend: str) -> dict[str, float]:
+    """GiB per item on one client's GPU: the terms of the docstring's item 8."""
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+    # LoRA factors r x (in + out) per target module and layer, bounded by the widest projection;
+    # fp32 weights, gradients and AdamW's two moments.
+    lora = cfg.lora.rank * (student_config.hidden_size + student_config.intermediate_size) * len(cfg.lora.target_modules) * student_config.num_hidden_layers
+    tokens = cfg.train.micro_batch * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    h, layers = student_config.hidden_size, student_config.num_hidden_layers
+    if cfg.train.gradient_checkpointing:
+        activations = tokens * h * (layers * CHECKPOINTED_BYTES + ACTIVATION_BYTES)
+    else:
+        activations = tokens * h * layers * ACTIVATION_BYTES
+    teacher_tokens = cfg.model.teacher_batch * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    vocab = min(student_config.vocab_size, teacher_config.vocab_size)
+    return {
+        "teacher weights": teacher_params * dtype_bytes / GIB,
+        "student weights + LoRA + AdamW": (student_params * dtype_bytes + lora * 4 * 4) / GIB,
+        "vLLM share": cfg.rollout.gpu_memory_utilization * total_gib if backend == "vllm" else 0.0,
+        "loss chunk": LOSS_CHUNK_ARRAYS * min(cfg.train.loss_chunk, tokens) * vocab * 4 / GIB,
+        "student activations": activations / GIB,
+        "teacher pass": teacher_tokens * teacher_config.hidden_size * ACTIVATION_BYTES / GIB,
+        "CUDA context": CUDA_CONTEXT_GIB,
+    }
+
+
+def gpu_memory(simulated_free_gib: float | None) -> tuple[float, float] | None:
+    """(free, total) GiB of the first CUDA device, the simulated card, or None without a GPU."""
+    if simulated_free_gib is not None:
+        return simulated_free_gib, simulated_free_gib
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return free / GIB, total / GIB
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _guard(report: Report, check: str, fn: Callable[[], Any]) -> Any:
+    """Run one check; an exception becomes its FAIL row (its message names the fix)."""
+    try:
+        return fn()
+    except (ConfigError, ModelLoadError, ValueError, FileNotFoundError, OSError) as err:
+        report.add(check, FAIL, str(err))
+        return None
+
+
+def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu_free_gib: float | None = None) -> Report:
+    from fedopd.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
+
+    report = Report()
+
+    def config():
+        cfg = parse_run_config({**app_defaults(), **overrides})
+        check_server_requirements(cfg)
+        report.add("run config", OK, f"preset '{cfg.preset}', strategy '{cfg.strategy.name}', {cfg.num_server_rounds} rounds")
+        return cfg
+
+    cfg = _guard(report, "run config", config)
+    if cfg is None:
+        return report
+
+    files, paths = {}, {}
+    for role, name in (("student", cfg.model.student), ("teacher", cfg.model.teacher)):
+        def find(role=role, name=name):
+            path, how = locate_model(name)
+            files[role] = ModelFiles.load(name)
+            paths[role] = path
+            report.add(f"{role} model", OK, f"{name} ({how})")
+
+        _guard(report, f"{role} model", find)
+    if len(files) < 2:
+        return report
+    student, teacher = files["student"], files["teacher"]
+
+    def pair():
+        check_same_vocabulary(student, teacher)
+        width = len(student.tokenizer)
+        rows = {r: getattr(files[r].config, "vocab_size", width) for r in files}
+        if width > min(rows.values()):
+            raise ModelLoadError(
+                f"the tokenizer has {width} tokens but the models have {rows['student']} / {rows['teacher']} logit rows; "
+                "choose models of one family"
+            )
+        padded = f" (logit rows {rows['student']} / {rows['teacher']}, compared on the tokenizer's {width})" if min(rows.values()) > width else ""
+        report.add("model pair", OK, f"one vocabulary of {width} tokens{padded}")
+
+    _guard(report, "model pair", pair)
+
+    stop = _guard(report, "stop tokens", lambda: resolve_stop_tokens(cfg.rollout.stop_tokens, student, teacher))
+    if stop is not None:
+        report.add("stop tokens", OK, f"{list(stop.tokens)} = ids {list(stop.ids)} (rollout.stop-tokens = {cfg.rollout.stop_tokens!r})")
+
+    def template():
+        from fedopd.data import render_prompt
+
+        text = render_prompt(student.tokenizer, "What is 1 + 1?")
+        end = end_of_turn_token(student.tokenizer)
+        if end is None:
+            report.add("chat template", WARN, "renders the prompt; no special token ends an assistant turn: check rollout.stop-tokens by hand")
+            return
+        name = student.tokenizer.convert_ids_to_tokens(end)
+        if stop is not None and end not in stop.ids:
+            raise ModelLoadError(
+                f"an assistant turn ends with {name!r} (id {end}), which is not in the stop set {list(stop.tokens)}: "
+                f"responses would run on into a new turn; set rollout.stop-tokens = '{','.join([*stop.tokens, name])}'"
+            )
+        report.add("chat template", OK, f"renders the paper's prompt ({len(student.tokenizer(text, add_special_tokens=False)['input_ids'])} tokens, "
+                                         f"enable_thinking=False); a turn ends with {name!r}, in the stop set")
+
+    _guard(report, "chat template", template)
+
+    clients = num_clients or cfg.num_clients or 3
+
+    def prompts():
+        from client_app.worker import partition_rows
+        from fedopd.data import render_prompt
+
+        counts = []
+        for pid in range(clients):
+            rows = partition_rows(cfg.data, pid, clients, cfg.data.seed)
+            kept = sum(
+                len(student.tokenizer(render_prompt(student.tokenizer, r["problem"]), add_special_tokens=False)["input_ids"])
+                <= cfg.data.max_prompt_tokens
+                for r in rows
+            )
+            counts.append((kept, len(rows)))
+        empty = [pid for pid, (kept, _) in enumerate(counts) if kept == 0]
+        detail = ", ".join(f"client {pid}: {kept}/{total}" for pid, (kept, total) in enumerate(counts))
+        if empty:
+            raise ValueError(
+                f"{detail}: no prompt of client {empty[0]} fits data.max-prompt-tokens = {cfg.data.max_prompt_tokens}; "
+                "raise data.max-prompt-tokens or choose shorter prompts"
+            )
+        short = any(kept < cfg.rollout.per_round for kept, _ in counts)
+        report.add("prompts", WARN if short else OK, f"{detail} within {cfg.data.max_prompt_tokens} tokens"
+                   + (f" (fewer than rollout.per-round = {cfg.rollout.per_round}: prompts repeat within a round)" if short else ""))
+
+    _guard(report, "prompts", prompts)
+
+    import torch
+
+    from fedopd.rollout_vllm import vllm_available
+
+    cuda = torch.cuda.is_available()
+    has_vllm, has_flash = importlib.util.find_spec("vllm") is not None, importlib.util.find_spec("flash_attn") is not None
+    backend = cfg.rollout.backend
+    chosen = "vllm" if backend == "vllm" or (backend == "auto" and vllm_available()) else "hf"
+    if gpu_free_gib is not None and backend == "auto" and has_vllm:
+        chosen = "vllm"
+    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {'yes' if has_vllm else 'no'}, flash-attention {'yes' if has_flash else 'no'}"
+    if backend == "vllm" and not vllm_available():
+        report.add("engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU; install vLLM or use 'auto'/'hf'")
+    else:
+        report.add("engines", OK if cuda or backend == "hf" else WARN,
+                   f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"))
+
+    card = gpu_memory(gpu_free_gib)
+    if card is None:
+        report.add("GPU memory", SKIP, "no CUDA device (simulate one with --gpu-free-gib)")
+        return report
+    free, total = card
+
+    def memory():
+        params = {}
+        for role in files:
+            counted = weight_parameters(paths[role]) if Path(paths[role]).is_dir() else None
+            params[role] = counted if counted is not None else estimated_parameters(files[role].config)
+        parts = memory_estimate(cfg, student.config, teacher.config, params["student"], params["teacher"], total, chosen)
+        need = sum(parts.values())
+        detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v) + f" = {need:.1f} GiB of {free:.1f} GiB free"
+        if need > free:
+            raise ValueError(
+                f"{detail}: too little GPU memory; lower rollout.gpu-memory-utilization, train.micro-batch or "
+                "rollout.max-new-tokens, turn on train.gradient-checkpointing, or use a larger card"
+            )
+        report.add("GPU memory", OK, detail)
+
+    _guard(report, "GPU memory", memory)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedopd.preflight", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
+    parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
+                        help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    parser.add_argument("--num-clients", type=int, default=None, help="clients to check prompts for (default: num-clients, else 3)")
+    parser.add_argument("--gpu-free-gib", type=float, default=None, help="simulate a GPU with this much free memory")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        overrides = load_preset(args.file) if args.file else {}
+        if args.run_config:
+            overrides.update(overrides_from_args(args.run_config))
+    except ConfigError as err:
+        print(f"run config  FAIL  {err}")
+        return 1
+    report = run_checks(overrides, num_clients=args.num_clients, gpu_free_gib=args.gpu_free_gib)
+    print(report.table())
+    print("preflight: " + ("FAILED: fix the rows marked FAIL" if report.failed else "passed"))
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""python -m fedopd.preflight: a host checked in seconds, one clear line per problem."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedopd.preflight import FAIL, OK, run_checks
+from model_fixtures import QWEN3_0_6B, QWEN3_8B, architecture_only
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pair(model_copies, teacher="instruct-teacher", **more):
+    return {"model.student": model_copies["base-student"], "model.teacher": model_copies[teacher], **more}
+
+
+def _failures(report):
+    return [r for r in report.rows if r.status == FAIL]
+
+
+def test_a_base_student_with_an_instruct_teacher_passes(model_copies):
+    report = run_checks(_pair(model_copies))
+    assert not report.failed, report.table()
+    rows = {r.check: r for r in report.rows}
+    assert rows["stop tokens"].detail.startswith("['<|endoftext|>', '<|im_end|>'] = ids [0, 2]")
+    assert rows["chat template"].status == OK and "'<|im_end|>', in the stop set" in rows["chat template"].detail
+    assert rows["prompts"].detail.startswith("client 0: 256/256, client 1: 256/256, client 2: 256/256")
+
+
+def test_a_mismatched_vocabulary_fails_with_one_line(model_copies):
+    [row] = _failures(run_checks(_pair(model_copies, teacher="other-vocab-teacher")))
+    assert row.check == "model pair" and "must share a vocabulary" in row.detail and "'7': 27 vs 28" in row.detail
+
+
+def test_a_missing_model_folder_fails_with_one_line(model_copies, tmp_path):
+    [row] = _failures(run_checks({**_pair(model_copies), "model.teacher": str(tmp_path / "no-such-model")}))
+    assert row.check == "teacher model" and "is not an existing local folder" in row.detail
+
+
+def test_a_prompt_set_that_the_length_filter_empties_fails_with_one_line(model_copies):
+    [row] = _failures(run_checks(_pair(model_copies, **{"data.max-prompt-tokens": 10})))
+    assert row.check == "prompts" and "no prompt of client 0 fits data.max-prompt-tokens = 10" in row.detail
+
+
+def test_an_end_of_turn_token_outside_the_stop_set_fails_naming_the_setting(model_copies):
+    [row] = _failures(run_checks(_pair(model_copies, **{"rollout.stop-tokens": "<|endoftext|>"})))
+    assert row.check == "chat template" and "rollout.stop-tokens = '<|endoftext|>,<|im_end|>'" in row.detail
+
+
+def test_the_paper_pair_needs_more_than_a_24_gib_card_and_fits_an_80_gib_one(tmp_path):
+    """The paper preset (Qwen3-0.6B-Base student, Qwen3-8B teacher, bf16, HF engine here) planned
+    from the published architectures. By hand: teacher 36 layers x (2·4096·32·128 + 2·4096·8·128
+    + 3·4096·12288) + 2·151936·4096 = 8,190,735,360 parameters x 2 bytes = 15.26 GiB; student
+    28 x (2·1024·16·128 + 2·1024·8·128 + 3·1024·3072) + 151936·1024 = 596,049,920 x 2 bytes
+    = 1.11 GiB plus LoRA 8·(1024+3072)·7·28 = 6,422,528 fp32 x 4 (weights, gradients, AdamW moments) = 0.10 GiB; loss chunk 7 x 1024 x 151936 x 4
+    bytes = 4.06 GiB; student activations, checkpointed: 4·6144 tokens x 1024 x (28·2 + 34) bytes
+    = 2.11 GiB; teacher pass 2·6144 x 4096 x 34 = 1.59 GiB; context 0.75 → 24.97 GiB."""
+    student = architecture_only("sandbox-student", tmp_path / "student", QWEN3_0_6B)
+    teacher = architecture_only("sandbox-teacher", tmp_path / "teacher", QWEN3_8B)
+    from fedopd.config import load_preset
+
+    overrides = {**load_preset(REPO / "configs" / "paper-0.6b-1x.toml"), "model.student": str(student),
+                 "model.teacher": str(teacher), "data.name": "sandbox", "data.prompts-per-client": 32,
+                 "rollout.backend": "hf", "eval.every": 0}
+    [row] = _failures(run_checks(overrides, gpu_free_gib=24.0))
+    assert row.check == "GPU memory" and "= 25.0 GiB of 24.0 GiB free: too little GPU memory" in row.detail
+    assert "teacher weights 15.26, student weights + LoRA + AdamW 1.21, loss chunk 4.06, student activations 2.11, teacher pass 1.59" in row.detail
+    memory = {r.check: r for r in run_checks(overrides, gpu_free_gib=80.0).rows}["GPU memory"]
+    assert memory.status == OK and memory.detail.endswith("= 25.0 GiB of 80.0 GiB free")
+
+
+def test_the_command_exits_non_zero_on_a_problem_and_zero_when_all_pass(model_copies):
+    ok = subprocess.run([sys.executable, "-m", "fedopd.preflight", "--run-config",
+                         f"model.student='{model_copies['base-student']}' model.teacher='{model_copies['instruct-teacher']}'"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith("preflight: passed"), ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "fedopd.preflight", "--run-config", "data.max-prompt-tokens=10"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "FAILED" in bad.stdout
