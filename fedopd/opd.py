@@ -210,14 +210,65 @@ def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Seq
     return total / max(tokens, 1)
 
 
+# A packed row (attention_mask None, position ids restarting at 0 per sequence) keeps its
+# sequences apart under SDPA / eager attention only through the block-diagonal mask that
+# transformers derives from the restarting position ids (masking_utils.find_packed_sequence_indices,
+# applied in create_causal_mask). transformers 4.54-4.57 apply it only with torch >= 2.6
+# (`if packed_sequence_mask is not None and _is_torch_greater_or_equal_than_2_6`): with an older
+# torch the row gets a plain causal mask and every sequence attends to the ones before it,
+# silently. From transformers 5.0 on the mask is applied with any torch. Measured by
+# tests/test_packing_isolation.py: isolated with 4.57.6 x torch 2.6.0 / 2.13.0, 5.0.0 / 5.3.0 /
+# 5.15.1 x torch 2.5.1, 5.23.0 x torch 2.13.0; leaking with 4.57.1 / 4.57.6 x torch 2.5.1.
+# flash-attention 2/3 take the varlen path (cu_seqlens from the position ids) instead.
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def packed_rows_isolated(
+    attn_implementation: str, *, transformers_version: str | None = None, torch_version: str | None = None
+) -> tuple[bool, str]:
+    """Whether packed rows keep their sequences apart under ``attn_implementation`` with the
+    installed transformers and torch (or the versions given), and why, as a short sentence that
+    names them. Implementations other than flash-attention, SDPA and eager are not verified: False."""
+    from packaging.version import Version
+
+    if transformers_version is None:
+        import transformers
+
+        transformers_version = transformers.__version__
+    torch_version = torch_version or torch.__version__
+    versions = f"transformers {transformers_version}, torch {torch_version}"
+    if attn_implementation.startswith("flash_attention"):
+        return True, f"{attn_implementation} runs packed rows through varlen kernels ({versions})"
+    if attn_implementation not in _MASKED_ATTENTION:
+        return False, f"packed rows are not verified to stay isolated under attention '{attn_implementation}' ({versions})"
+    tf_new = Version(transformers_version).release[:1] >= (5,)
+    torch_new = Version(torch_version).release[:2] >= (2, 6)
+    if tf_new or torch_new:
+        return True, f"{attn_implementation}: {versions} masks packed rows block-diagonally from their position ids"
+    return False, (
+        f"{attn_implementation}: {versions} does not isolate packed rows (transformers < 5 applies the "
+        "block-diagonal mask of restarting position ids only with torch >= 2.6): each sequence would attend to "
+        "the ones packed before it"
+    )
+
+
 def use_packing(model, packing: str) -> bool:
     """Whether micro-batches are packed: ``packed`` / ``padded``, or ``auto`` = packed exactly
     when the attention is flash-attention 2 (varlen kernels: no padding computed anywhere). SDPA
     can run packed rows too, but through a block-diagonal mask over the whole row, which costs
-    more attention than the padding it saves."""
+    more attention than the padding it saves. ``packed`` where the installed versions would let
+    packed sequences attend to each other (:func:`packed_rows_isolated`) raises ValueError."""
     if packing == "auto":
         return model.attn_implementation.startswith("flash_attention")
-    return packing == "packed"
+    if packing == "packed":
+        isolated, why = packed_rows_isolated(model.attn_implementation)
+        if not isolated:
+            raise ValueError(
+                f"train.packing = 'packed' refused: {why}. Use train.packing = 'padded' (or 'auto'), "
+                "flash-attention 2, or upgrade to torch >= 2.6 or transformers >= 5"
+            )
+        return True
+    return False
 
 
 def make_micro_batches(rollouts, plan: list[list[list[int]]], pad_id: int, device, packed: bool) -> dict[tuple[int, ...], TokenBatch]:

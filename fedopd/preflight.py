@@ -10,8 +10,8 @@ safetensors headers. It checks, in order:
    token ending an assistant turn is in the stop set;
 5. the resolved stop set (``rollout.stop-tokens``);
 6. how many prompts per client survive the ``data.max-prompt-tokens`` filter;
-7. whether vLLM, flash-attention and CUDA are present, and which engine ``rollout.backend = auto``
-   picks;
+7. whether vLLM, flash-attention and CUDA are present, which engine ``rollout.backend = auto``
+   picks, and whether packed micro-batches stay isolated under this host's attention;
 8. an estimate of GPU memory (teacher, HF student, vLLM's share, loss chunk, activations) against
    the card's free memory (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
 
@@ -301,6 +301,18 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     else:
         report.add("engines", OK if cuda or backend == "hf" else WARN,
                    f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"))
+
+    from fedopd.models import attention_implementation, default_device
+    from fedopd.opd import packed_rows_isolated
+
+    attention = attention_implementation(default_device())
+    if cfg.train.packing == "packed":
+        isolated, why = packed_rows_isolated(attention)
+        report.add("packing", OK if isolated else FAIL,
+                   why if isolated else f"{why}; use train.packing = 'padded' or 'auto', or upgrade torch/transformers")
+    else:
+        packed = cfg.train.packing == "auto" and attention.startswith("flash_attention")
+        report.add("packing", OK, f"train.packing = {cfg.train.packing!r}: {'packed' if packed else 'padded'} micro-batches under {attention}")
 
     card = gpu_memory(gpu_free_gib)
     if card is None:

@@ -79,3 +79,11 @@ def test_the_command_exits_non_zero_on_a_problem_and_zero_when_all_pass(model_co
     bad = subprocess.run([sys.executable, "-m", "fedopd.preflight", "--run-config", "data.max-prompt-tokens=10"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "FAILED" in bad.stdout
+
+
+def test_packed_micro_batches_are_refused_where_the_versions_would_leak(model_copies, monkeypatch):
+    """transformers < 5 with torch < 2.6 lets packed SDPA rows attend across sequences."""
+    monkeypatch.setattr("transformers.__version__", "4.57.6")
+    monkeypatch.setattr("torch.__version__", "2.5.1")
+    [row] = _failures(run_checks(_pair(model_copies, **{"train.packing": "packed"})))
+    assert row.check == "packing" and "transformers 4.57.6, torch 2.5.1 does not isolate packed rows" in row.detail
