@@ -1,7 +1,5 @@
 """Held-out evaluation arithmetic: greedy accuracy from greedy responses, Avg@k / Pass@k from samples."""
 
-import pytest
-
 from fedopd.config import EvalSettings
 from fedopd.data import Prompt
 from fedopd.rollout import RolloutEngine, Rollouts
@@ -47,6 +45,7 @@ def test_accuracy_is_greedy_and_avg_and_pass_at_k_come_from_the_samples():
     engine = Scripted()
     out = evaluate_heldout(ClientModels(Student(), None, engine), {"a": 1}, prompts, EvalSettings(samples=2), seed=0)
     assert engine.adapter == {"a": 1}
-    assert out["accuracy"] == pytest.approx(50.0)  # 1 of 2 greedy answers right
-    assert out["avg@2"] == pytest.approx(75.0)  # 3 of 4 samples right
-    assert out["pass@2"] == pytest.approx(100.0)  # both problems solved at least once
+    # Means of 0/1 over 2 or 4 values and 1 − C(0, 2)/C(2, 2) are dyadic: exact in float64.
+    assert out["accuracy"] == 50.0  # 1 of 2 greedy answers right
+    assert out["avg@2"] == 75.0  # 3 of 4 samples right
+    assert out["pass@2"] == 100.0  # both problems solved at least once

@@ -17,6 +17,7 @@ from fedopd.opd import (
     reverse_kl_sum_from_hidden,
     token_reverse_kl,
 )
+from precision import PAIR, U32, U64, gradient_error, sum_error, token_kl_error
 
 
 def _logits(*shape, seed=0):
@@ -27,7 +28,10 @@ def test_token_reverse_kl_matches_brute_force_sum():
     s, t = _logits(7, 11, seed=1), _logits(7, 11, seed=2)
     p, q = torch.softmax(s.double(), -1), torch.softmax(t.double(), -1)
     brute = [sum(p[i, v] * math.log(p[i, v] / q[i, v]) for v in range(11)) for i in range(7)]
-    assert torch.allclose(token_reverse_kl(s, t).double(), torch.tensor(brute, dtype=torch.float64), atol=1e-6)
+    # fp32 log-softmax and sum against a float64 reference on the same fp32 logits:
+    # precision.token_kl_error per position (≈ 1e-6 here).
+    error = (token_reverse_kl(s, t).double() - torch.tensor(brute, dtype=torch.float64)).abs()
+    assert torch.all(error <= token_kl_error(s, t))
 
 
 def test_reverse_kl_is_the_token_mean_over_the_mask():
@@ -35,10 +39,14 @@ def test_reverse_kl_is_the_token_mean_over_the_mask():
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])
     per_token = token_reverse_kl(s, t)
     expected = per_token[mask.bool()].mean()
-    assert reverse_kl(s, t, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+    # Two fp32 evaluations of the same token KLs (their errors: token_kl_error), then a weighted sum
+    # over the 10 positions / the mean of the 4 kept ones, and a division: sum_error(10) + u of
+    # the (non-negative) sum, each way.
+    tol = PAIR * (token_kl_error(s, t)[mask.bool()].mean().item() + (sum_error(10) + U32) * expected.item())
+    assert reverse_kl(s, t, mask).item() == pytest.approx(expected.item(), abs=tol)
     s2 = s.clone()
     s2[0, 0] += 100.0  # a masked-out position cannot change the loss
-    assert reverse_kl(s2, t, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert reverse_kl(s2, t, mask).item() == pytest.approx(expected.item(), abs=tol)
 
 
 def test_chunked_reverse_kl_equals_unchunked_in_value_and_gradient():
@@ -51,8 +59,15 @@ def test_chunked_reverse_kl_equals_unchunked_in_value_and_gradient():
         loss.backward()
         values.append(loss.item())
         grads.append(s.grad.clone())
-    assert values[0] == pytest.approx(values[1], rel=1e-6)
-    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+    # The same token KLs summed in chunks of 5 rows or at once (51 non-negative terms): both within
+    # sum_error(51) + u of the exact sum, the token KLs themselves within token_kl_error.
+    s = _logits(3, 17, 29, seed=5)
+    per_token = token_kl_error(s.reshape(-1, 29), t.reshape(-1, 29))
+    tol = PAIR * (per_token.max().item() + (sum_error(51) + U32) * values[1])
+    assert values[0] == pytest.approx(values[1], abs=tol)
+    # The gradient p⊙(r − KL)·w/Σw per row: a log-softmax, the KL (a sum over V = 29) and the
+    # log-softmax backward (another sum over V): ~3V + a few roundings (precision.gradient_error).
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=PAIR * gradient_error(grads[1], 3 * 29 + 8))
     assert grads[0].abs().sum() > 0
 
 
@@ -67,19 +82,32 @@ def test_chunked_loss_from_hidden_states_equals_loss_on_logits():
     hs.grad = None
     reference = token_reverse_kl(hs @ ws.T, ht @ wt.T).sum()
     reference.backward()
-    assert total.item() == pytest.approx(reference.item(), rel=1e-6)
-    assert torch.allclose(grad_chunked, hs.grad, atol=1e-6)
+    # The logits h @ wᵀ (sums of 6 and 9 terms, error ≤ sum_error·Σ|h||w|) shift each token KL by
+    # at most 2·(that) per side (log-probabilities move by ≤ 2 max|Δz|), on top of token_kl_error;
+    # then 23 non-negative terms summed in chunks of 4 or at once.
+    with torch.no_grad():
+        zs, zt = hs @ ws.T, ht @ wt.T
+        dz = 2 * (sum_error(6) * (hs.abs() @ ws.abs().T).max() + sum_error(9) * (ht.abs() @ wt.abs().T).max()).item()
+        per_token = token_kl_error(zs, zt) + 2 * dz
+    tol = PAIR * (per_token.sum().item() + (sum_error(23) + U32) * reference.item())
+    assert total.item() == pytest.approx(reference.item(), abs=tol)
+    # The gradient adds the head's backward (a sum over V = 31) and its forward (6) to the path above.
+    torch.testing.assert_close(grad_chunked, hs.grad, rtol=0, atol=PAIR * gradient_error(hs.grad, 3 * 31 + 6 + 8))
 
 
 def test_reverse_kl_is_zero_for_identical_distributions():
     s = _logits(2, 4, 8)
-    assert reverse_kl(s, s.clone(), torch.ones(2, 4)).item() == pytest.approx(0.0, abs=1e-7)
+    # The same log-softmax of the same bits on both sides: s − t is exactly 0, and so is the KL.
+    assert reverse_kl(s, s.clone(), torch.ones(2, 4)).item() == 0.0
 
 
 def test_cosine_schedule_starts_at_lr_halves_midway_and_ends_at_zero():
-    assert cosine_lr(3e-6, 0, 600) == pytest.approx(3e-6)
-    assert cosine_lr(3e-6, 300, 600) == pytest.approx(1.5e-6)
-    assert cosine_lr(3e-6, 600, 600) == pytest.approx(0.0, abs=1e-18)
+    # float64: a division, cos (≤ 1 ulp), an addition and two products: ≤ 6u relative to base_lr
+    # (cos(π/2) ≈ 6e-17 instead of 0 is within it); cos(π) = −1 exactly, so the end is exactly 0.
+    tol = 6 * U64 * 3e-6
+    assert cosine_lr(3e-6, 0, 600) == pytest.approx(3e-6, abs=tol)
+    assert cosine_lr(3e-6, 300, 600) == pytest.approx(1.5e-6, abs=tol)
+    assert cosine_lr(3e-6, 600, 600) == 0.0
 
 
 def test_micro_batch_plan_covers_one_epoch_in_order():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import fedopd.cache as cache_module
 from conftest import TINY
 from fedopd.cache import build_scoring_cache, score_candidates
 from fedopd.config import CacheSettings, parse_run_config
@@ -20,6 +21,18 @@ from fedopd.lora import increment
 from fedopd.opd import micro_batches, minibatch_gradient, make_micro_batches, teacher_pass, use_packing
 from fedopd.rollout import HFRolloutEngine, Rollouts
 from fedopd.round import ClientModels, train_round
+from precision import (
+    PAIR,
+    U32,
+    UBF16,
+    coarse_kl_pair_error,
+    coarse_log_prob_pair_error,
+    logit_error,
+    lse_error,
+    opd_gradient_error,
+    opd_loss_error,
+    sum_error,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -113,24 +126,47 @@ def test_cache_teacher_rows_from_the_round_pass_equal_a_teacher_forward_on_the_c
     direct = build_scoring_cache(student, teacher, rollouts, settings, seed=3)
     assert not np.array_equal(from_pass.positions[:, 0], np.zeros_like(from_pass.positions[:, 0]))  # two rollouts
     np.testing.assert_array_equal(from_pass.token_ids, direct.token_ids)
-    np.testing.assert_allclose(from_pass.teacher, direct.teacher, atol=1e-6)
+    # Two fp32 teacher forwards of the same rows in different batches (micro-batches vs the cached
+    # rollouts): |Δ log q̃| ≤ 4δ + 4ε (precision.coarse_log_prob_pair_error; teacher δ ≈ 1.3e-4,
+    # ε ≈ 6e-6), so each probability moves by at most a factor e^(±bound); padding stays 0 in both.
+    log_bound = coarse_log_prob_pair_error(logit_error(teacher, direct.input_ids.shape[1]), lse_error(teacher))
+    np.testing.assert_allclose(from_pass.teacher, direct.teacher, rtol=np.expm1(log_bound), atol=0)
     np.testing.assert_array_equal(from_pass.student, direct.student)
 
 
 @pytest.mark.parametrize("per_pass", [None, 4, 1])
-def test_batched_candidate_scores_equal_one_forward_per_candidate(lora_student, per_pass):
+def test_batched_candidate_scores_equal_one_forward_per_candidate(lora_student, per_pass, monkeypatch):
     student, teacher, theta = lora_student
     rollouts = Rollouts(PROMPTS, RESPONSES, [False] * 4)
     cache = build_scoring_cache(student, teacher, rollouts, CacheSettings(rollouts=3, positions=4, top_k=3), seed=1)
     rng = np.random.default_rng(11)
     delta = {n: 0.05 * rng.standard_normal(a.shape).astype(np.float32) for n, a in theta.items()}
     candidates = [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
+    logits = []  # what each path hands to coarsen_logits, candidate-major in both
+    original = cache_module.coarsen_logits
+    monkeypatch.setattr(cache_module, "coarsen_logits", lambda z, ids: logits.append(z.detach().clone()) or original(z, ids))
 
     student.model.eval()
     batched = score_candidates(student, cache, theta, delta, candidates, candidates_per_pass=per_pass)
+    batched_logits = torch.cat(logits)
+    logits.clear()
     student.set_lora_arrays(theta)
     sequential = score_candidates(student, cache, theta, delta, candidates, batched=False)
-    np.testing.assert_allclose(batched, sequential, rtol=1e-5, atol=1e-7)
+    sequential_logits = torch.cat(logits)
+
+    # Both paths are fp32 forwards of the same function in different orders (stacked batch vs one
+    # candidate at a time); each logit is within δ of exact (precision.logit_error: statistical
+    # bound over the ~1.4e3 roundings from input to logit, scale ||h||·max||w_v|| ≈ 1.6: δ ≈ 1.0e-5),
+    # so the two within 2δ. Scoring under a wrong adapter or multiplier (even the low-rank term
+    # scaled by 1.001: logits move by ~8e-4) is far outside this.
+    delta_z = logit_error(student, cache.input_ids.shape[1])
+    torch.testing.assert_close(batched_logits, sequential_logits, rtol=0, atol=PAIR * delta_z)
+    # The scores are float64 KLs of those fp32 logits: |ΔĴ|, |ΔK̂| ≤ sqrt(2·KL)·2δ + 4ε
+    # (precision.coarse_kl_pair_error; ε ≈ 4e-6 the fp32 logsumexp rounding), ≈ 2e-5 here.
+    eps = lse_error(student)
+    bound = np.array([[coarse_kl_pair_error(v, delta_z, eps) for v in row] for row in sequential])
+    difference = np.abs(np.array(batched) - np.array(sequential))
+    assert np.all(difference <= bound), f"|batched - sequential| {difference.max():.3g} exceeds the fp32 bound {bound.min():.3g}"
     assert len(set(np.round(batched[0], 6))) == len(candidates)  # every candidate scored under its own adapter
 
 
@@ -175,9 +211,15 @@ def test_packed_micro_batches_give_the_padded_loss_and_gradient(lora_student):
     packed_loss, packed_grads, packed = loss_and_grad(True)
     assert all(b.packed and b.input_ids.shape[0] == 1 for b in packed.values())
     assert sum(b.input_ids.numel() for b in packed.values()) < sum(b.input_ids.numel() for b in padded.values())
-    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    # Two fp32 evaluations (packed vs padded rows) of the same loss and gradient: twice the error
+    # of one (precision.opd_loss_error, opd_gradient_error: the student's and the teacher's logit
+    # errors through the KL, and the roundings of the backward pass, on the scale of max|g|).
+    width = max(len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES))
+    tokens = sum(len(r) for r in RESPONSES)
+    assert packed_loss == pytest.approx(padded_loss, abs=PAIR * opd_loss_error(student, teacher, width, padded_loss, tokens))
     for g_packed, g_padded in zip(packed_grads, padded_grads):
-        torch.testing.assert_close(g_packed, g_padded, rtol=1e-4, atol=1e-6)
+        bound = PAIR * opd_gradient_error(g_padded, student, teacher, width, padded_loss, tokens)
+        torch.testing.assert_close(g_packed, g_padded, rtol=0, atol=bound)
 
 
 def test_packing_auto_means_packed_exactly_with_flash_attention(tiny_pair):
@@ -200,11 +242,22 @@ def test_fp32_head_gives_fp32_logits_and_the_gradient_of_a_plain_linear():
     w = torch.randn(11, 8, generator=g).bfloat16()
     out = fp32_head(h, w)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), h.detach().double() @ w.double().T, rtol=1e-6, atol=1e-6)
+    # bf16·bf16 products are exact in fp32 (8 + 8 significant bits ≤ 24): the only error is the
+    # fp32 sum over H = 8 terms, at most γ_8·Σ|h_i w_i| (precision.sum_error, worst case 8u).
+    magnitude = h.detach().double().abs() @ w.double().abs().T
+    error = (out.double() - h.detach().double() @ w.double().T).abs()
+    assert torch.all(error <= sum_error(8) * magnitude)
     upstream = torch.randn(5, 11, generator=g)
     out.backward(upstream)
     assert h.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(h.grad.double(), (upstream.double() @ w.double()).bfloat16().double(), rtol=1e-2, atol=1e-2)
+    # The fp32 product upstream @ w (sum over 11 terms, error ≤ γ_11·Σ|up||w| =: e) is rounded to
+    # bf16 (u = 2^-8), as is the reference: |bf16(a) − bf16(b)| ≤ 2^-8(|a| + |b|) + |a − b|
+    # ≤ e(1 + 2^-8) + 2^-7·|b| (one bf16 ulp: a rounding that lands on the neighbouring value),
+    # plus u32·|b| for the reference's float64 -> fp32 -> bf16 conversion.
+    reference = upstream.double() @ w.double()
+    e = sum_error(11) * (upstream.double().abs() @ w.double().abs())
+    bound = e * (1 + UBF16) + (2 * UBF16 + U32) * reference.abs()
+    assert torch.all((h.grad.double() - reference.bfloat16().double()).abs() <= bound)
 
 
 def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeypatch):
