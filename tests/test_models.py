@@ -5,6 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from precision import PAIR, log_softmax_error, logit_error, logit_scale
 
 from fedopd.config import LoraSettings
 from fedopd.models import (
@@ -133,7 +134,10 @@ def test_hidden_states_and_head_reproduce_the_full_forward(tiny_pair):
         full = teacher.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     expected = torch.log_softmax(full[batch.loss_mask].float(), -1)
     assert log_probs.shape == (5, teacher.logit_width)
-    assert torch.allclose(log_probs, expected, atol=1e-5)
+    # Two fp32 evaluations of the same logits (split vs whole forward): each log-probability moves
+    # by at most twice one logit's error plus twice the log-softmax's own rounding.
+    bound = PAIR * (logit_error(teacher, batch.input_ids.shape[1]) + log_softmax_error(teacher.logit_width, logit_scale(teacher)))
+    assert (log_probs - expected).abs().max().item() <= bound
 
 
 def test_batch_marks_the_positions_that_predict_response_tokens():
