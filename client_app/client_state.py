@@ -11,6 +11,11 @@ Folder: ``<client-state-dir>/<run name>/partition-<i>/round-NNN/`` with node con
 simulation ``<run folder>.clients/partition-<i>/round-NNN/`` beside the run folder (server and
 clients share a file system there). The last two rounds are
 kept: a stop during round t+1 may leave that round's state behind, and the resumed run needs t's.
+
+A client restores it whenever it trains without state of its own (no ``meta`` in
+``context.state``) in a round > 1: the first round of a resumed run, a client that joins after
+it, or one that comes back with an empty ``context.state``. It continues from its latest saved
+round before the current one.
 """
 
 from __future__ import annotations
@@ -67,6 +72,12 @@ def save_round_state(folder: Path, server_round: int, optimizer: Mapping[str, np
         if r <= server_round - KEEP or r > server_round:  # older ones, and leftovers of a stopped run
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def latest_saved_round(folder: Path | None, server_round: int) -> int | None:
+    """The latest round <= ``server_round`` whose state this client saved, or None."""
+    rounds = [r for r in _round_dirs(folder) if r <= server_round] if folder is not None else []
+    return max(rounds) if rounds else None
 
 
 def load_round_state(folder: Path | None, server_round: int) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:

@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from client_app import worker
-from client_app.client_state import client_state_dir, load_round_state, save_round_state
+from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, save_round_state
 from fedopd.cache import ScoringCache
 from fedopd.config import RunConfig
 from fedopd.lora import check_compatible, from_record
@@ -52,14 +52,8 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     persistent = cfg.train.optimizer_state == "persistent"
     local = cfg.strategy.name == "local"
 
-    if "resume-round" in config and META not in state and (persistent or local):
-        # The first round of a resumed run, in a fresh process: continue from this client's own
-        # saved state (its optimizer, and for Local its adapter, which the server does not keep).
-        saved_optimizer, own_adapter = load_round_state(folder, int(config["resume-round"]))
-        if persistent and saved_optimizer is not None:
-            state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in saved_optimizer.items()})
-        if local and own_adapter is not None:
-            theta = own_adapter
+    if META not in state and server_round > 1 and (persistent or local):
+        theta = restore_saved_state(state, folder, config, server_round, pid, persistent=persistent, local=local, theta=theta)
     optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent and OPTIMIZER in state else None
 
     out = train_round(
@@ -100,6 +94,30 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         }
     )
     return RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in out.arrays.items()}), "metrics": metrics})
+
+
+def restore_saved_state(state: RecordDict, folder, config, server_round: int, pid: int, *, persistent: bool, local: bool, theta):
+    """A client with no state of its own in round ``server_round`` > 1 (the first round of a
+    resumed run, a client that joins later, or one back with an empty ``context.state``):
+    continue from its own latest saved round before this one (its optimizer, and for Local its
+    adapter, which a resumed server does not have). Returns the adapter to train from.
+
+    With nothing saved: an error in the first round of a resumed run (its state is missing),
+    else a client new to the run, which starts fresh.
+    """
+    restored = latest_saved_round(folder, server_round - 1)
+    if restored is None:
+        if "resume-round" in config:
+            load_round_state(folder, int(config["resume-round"]))  # raises: no client state of that round
+        log(INFO, "client %d: no saved state before round %d; a client new to this run starts fresh", pid, server_round)
+        return theta
+    saved_optimizer, own_adapter = load_round_state(folder, restored)
+    if persistent and saved_optimizer is not None:
+        state[OPTIMIZER] = ArrayRecord({k: Array(v) for k, v in saved_optimizer.items()})
+    if local and own_adapter is not None:
+        theta = own_adapter
+    log(INFO, "client %d: round %d without state of its own; restored its saved state of round %d from %s", pid, server_round, restored, folder)
+    return theta
 
 
 def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:

@@ -15,7 +15,10 @@ multiplier:
    θ_{t+1} = θ_t + a_t Δ_t.
 
 If no client answers the score query, FedTOPS falls back to a = 1 (FedAvg) and says so in the
-round record; if no candidate is feasible it holds (a = 0).
+round record; if no candidate is feasible it holds (a = 0). If some client whose update is in Δ_t
+returned no valid scores, its trust constraint is unknown: a_t = min(selected, 1), and the round
+record keeps the uncapped choice (``selected-multiplier``), the cap (``multiplier-cap``) and those
+clients (``unscored-node-ids``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fedtops_strategy.selection import feasible_indices, select_multiplier
 
 SCORE_MESSAGE_TYPE = "query.score"
 DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+UNSCORED_CAP = 1.0  # the most a client whose trust constraint is unknown may be moved: FedAvg's step
 
 
 class FedTOPS(ReplyScreening, FedAvg):
@@ -124,6 +128,18 @@ class FedTOPS(ReplyScreening, FedAvg):
             record["fallback"] = True
             record["num-feasible"] = 0
             multiplier = 1.0
+        # A client whose update is in Δ but whose K̂ is unknown (no valid score reply) could be
+        # moved by any selected a: cap it at FedAvg's step, which needs no trust check.
+        scored = set(record["scored-node-ids"])
+        record["unscored-node-ids"] = [n for n in nodes if n not in scored]
+        record["selected-multiplier"] = multiplier
+        record["multiplier-cap"] = None
+        if scores and record["unscored-node-ids"]:
+            record["multiplier-cap"] = UNSCORED_CAP
+            if multiplier > UNSCORED_CAP:
+                log(WARNING, "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",
+                    server_round, ", ".join(map(str, record["unscored-node-ids"])), multiplier, UNSCORED_CAP)
+            multiplier = min(multiplier, UNSCORED_CAP)
         record["multiplier"] = multiplier
         new = apply_increment(theta, delta, multiplier)
         return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics

@@ -87,13 +87,18 @@ class ReplyScreening:
         self._grid = None
         self._sent: list[Message] = []
         self.round_started = 0.0
+        self.first_round: int | None = None  # the first round this strategy configured
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._theta, self._grid = arrays, grid
         self.round_started = time.perf_counter()
-        if server_round > 1:
-            # The run waited for its clients before round 1; from then on a round trains the
-            # clients that are connected, so a lost client never stalls the run.
+        if self.first_round is None:
+            # The first round this server runs (round 1, or the first round of a resumed run)
+            # waits for the clients the strategy was made for (``num-clients``).
+            self.first_round = server_round
+        elif server_round != self.first_round:
+            # From then on a round trains the clients that are connected, so a lost client
+            # never stalls the run.
             self.min_available_nodes = self.min_train_nodes = 1
         messages = self.prepare_messages(list(super().configure_train(server_round, arrays, config, grid)), arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them

@@ -2,6 +2,9 @@
 
 Everything that can be checked is checked before round 1 (run config, model names); a bad value
 stops the run with a message naming the key, and no run folder or adapter is created.
+A run in which no client returns a valid update in round 1, or in ``max-failed-rounds``
+consecutive rounds, stops after recording that round: ``status.json`` says ``failed`` with the
+clients' own error messages and their node ids, and the ServerApp raises (:class:`RunFailed`).
 """
 
 from __future__ import annotations
@@ -105,8 +108,13 @@ def round_summary(record: dict, num_rounds: int) -> str:
         before = sum(c[first] for c in clients) / len(clients)
         after = sum(c[last] for c in clients) / len(clients)
         kl = f"{before:.4f} -> {after:.4f}"
+    capped = ""
+    if record.get("multiplier-cap") is not None:
+        unscored = ", ".join(str(n) for n in record.get("unscored-node-ids", []))
+        capped = f" (capped at {record['multiplier-cap']:g}, selected {record['selected-multiplier']:g}: no valid scores from node {unscored})"
     flags = "".join(
         [" (fallback: no score replies)" if record.get("fallback") else "",
+         capped,
          f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
     )
     a = "-" if a is None else f"{a:g}"
@@ -127,6 +135,38 @@ def main(grid: Grid, context: Context) -> None:
         log(ERROR, "FedTOPS: invalid run config, nothing was run or written: %s", err)
         raise
     run_server(grid, cfg)
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (no client can work); the message says why, in the clients' words."""
+
+
+ERROR_REPLY = "error reply: "
+
+
+def failure_reasons(excluded: list[dict]) -> str:
+    """The round's ``excluded`` entries, one per distinct reason with its node ids:
+    ``node 1, 2: ModelLoadError: ...; node 3: train: no reply before the timeout``."""
+    nodes: dict[str, list[int]] = {}
+    for entry in excluded:
+        reason = str(entry.get("reason", "?"))
+        reason = reason[len(ERROR_REPLY):] if reason.startswith(ERROR_REPLY) else reason
+        nodes.setdefault(reason, []).append(int(entry["node-id"]))
+    if not nodes:
+        return "no client was sent a train message"
+    return "; ".join(f"node {', '.join(map(str, sorted(set(ids))))}: {reason}" for reason, ids in nodes.items())
+
+
+def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: int, record: dict) -> RunFailed | None:
+    """The error that stops the run after ``server_round``, or None: no client returned a valid
+    update in round 1 (nothing can work), or in ``max_failed_rounds`` consecutive rounds."""
+    if failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
+        return None
+    when = (
+        f"round {server_round}" if failed_rounds == 1
+        else f"{failed_rounds} consecutive rounds ({server_round - failed_rounds + 1}-{server_round}); in round {server_round}"
+    )
+    return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
 
 
 def open_resumed_run(cfg: RunConfig, lora_config) -> tuple[RunFolder, int]:
@@ -177,6 +217,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     run.write_status("running", done)
     try:
         return _run_rounds(grid, cfg, run, done, arrays)
+    except RunFailed as err:
+        log(ERROR, "FedTOPS run failed: %s", err)
+        run.write_status("failed", error=str(err))
+        raise
     except BaseException as err:
         run.write_status("failed", error=f"{type(err).__name__}: {err}")
         raise
@@ -191,7 +235,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     strategy = make_strategy(cfg.strategy, num_clients=num_clients, score_timeout=cfg.timeout.score)
 
-    def after_round(server_round: int, global_arrays: ArrayRecord):
+    def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True):
         """Save the round's adapters, evaluate on the held-out prompts when due, write the record."""
         if server_round == 0:
             record = {"round": 0, "strategy": cfg.strategy.name}
@@ -204,7 +248,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
                     run.save_adapter(server_round, named, client=pid)
             else:
                 run.save_adapter(server_round, from_record(global_arrays))
-        if is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
+        if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
             started = time.perf_counter()
             record["evaluation"] = evaluate_round(
                 grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=local, timeout=cfg.timeout.evaluate
@@ -225,6 +269,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
         after_round(0, global_arrays)
+    failed_rounds = 0  # consecutive rounds without a valid client update
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
         config = ConfigRecord({"run-dir": str(run.path.resolve())})
@@ -235,7 +280,12 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:
             global_arrays = new_arrays
-        after_round(server_round, global_arrays)
+        record = strategy.records.get(server_round, {})
+        failed_rounds = 0 if record.get("clients") else failed_rounds + 1
+        failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record)
+        after_round(server_round, global_arrays, evaluate=failure is None)  # the round is recorded, excluded reasons and all
+        if failure is not None:
+            raise failure
     if tensorboard is not None:
         tensorboard.close()
     run.write_status("completed", cfg.num_server_rounds)

@@ -95,3 +95,17 @@ def test_a_reply_becomes_one_progress_line(task_identity):
         "  client 2 trained: 1.2 s rollouts (mean 61 tokens, cap-hit 3%, reward 44%) | teacher 0.4 s | cache 0.03 s"
         " | OPD 8 steps 0.6 s, loss 0.4123 -> 0.3876 | 2.3 s"
     )
+
+
+def test_a_round_whose_multiplier_was_capped_says_so_in_its_line():
+    from server_app.app import round_summary
+
+    record = {"round": 2, "strategy": "fedtops", "multiplier": 1.0, "selected-multiplier": 10.0, "multiplier-cap": 1.0,
+              "unscored-node-ids": [1002], "candidates": [1.0, 10.0], "teacher_scores": [0.2, 0.1], "num-feasible": 2,
+              "excluded": [{"node-id": 1002, "reason": "score: error reply: x"}], "clients": [], "seconds": 3.0}
+    assert round_summary(record, 4) == (
+        "round 2/4 [fedtops] a = 1 | J(a) = 0.2000 | feasible 2/2 | client loss - | 3.0 s"
+        " (capped at 1, selected 10: no valid scores from node 1002) (1 excluded)"
+    )
+    uncapped = {**record, "multiplier-cap": None, "unscored-node-ids": []}
+    assert "capped" not in round_summary(uncapped, 4)

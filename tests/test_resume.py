@@ -158,3 +158,115 @@ def test_a_client_keeps_its_last_two_rounds_and_resumes_from_the_latest_not_afte
     assert load_round_state(tmp_path, 4)[0]["step"].tolist() == [3]  # a client lost in round 4: its round 3
     with pytest.raises(FileNotFoundError, match=r"no client state of round <= 1"):
         load_round_state(tmp_path, 1)
+
+
+class _JoiningGrid:
+    """Node 11 is connected from the start; nodes 12 and 13 connect after a few polls."""
+
+    def __init__(self):
+        self.polls, self.later = 0, [11]
+
+    def get_node_ids(self):
+        self.polls += 1
+        if self.polls > 50:
+            raise RuntimeError("still waiting")
+        return [11] if self.polls <= 3 else self.later
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("name", ["fedavg", "fedtops", "local"])
+def test_the_first_round_of_a_resumed_run_waits_for_num_clients_nodes_and_later_rounds_do_not(monkeypatch, name):
+    import flwr.serverapp.strategy.strategy_utils as flwr_sampling
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from fedopd.config import StrategyConfig
+    from fedtops_strategy import make_strategy
+
+    monkeypatch.setattr(flwr_sampling, "sleep", lambda seconds: None)
+    arrays = ArrayRecord({"a": Array(np.zeros(2, np.float32))})
+    strategy = make_strategy(StrategyConfig(name=name), num_clients=3)
+    grid = _JoiningGrid()
+    grid.later = [11, 12, 13]
+    first = strategy.configure_train(3, arrays, ConfigRecord({"resume-round": 2}), grid)  # resumed after round 2
+    assert sorted(m.metadata.dst_node_id for m in first) == [11, 12, 13] and grid.polls > 3
+    grid.polls, grid.later = 4, [11]  # nodes 12 and 13 are lost again
+    second = strategy.configure_train(4, arrays, ConfigRecord(), grid)
+    assert [m.metadata.dst_node_id for m in second] == [11]
+
+
+def _client_round(monkeypatch, tmp_path, strategy, server_round, extra_config=None, state=None):
+    """Run the client's ``train`` handler for ``server_round`` with the models and the round's
+    work faked: returns (what train_round was given, the log lines)."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    import client_app.handlers as handlers
+
+    given = {}
+
+    def fake_train_round(models, theta, prompts, **kwargs):
+        given.update(theta=theta, optimizer_state=kwargs["optimizer_state"])
+        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={},
+                               optimizer_state={"step": np.array([kwargs["server_round"]], np.int64)})
+
+    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num: (None, ["prompt"] * 4))
+    monkeypatch.setattr(handlers, "train_round", fake_train_round)
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("flwr"), Lines()
+    logger.addHandler(handler)
+    config = ConfigRecord({"server-round": server_round, "run-dir": str(tmp_path / "run"), **(extra_config or {})})
+    content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
+    cfg = parse_run_config({**BASE, "strategy.name": strategy})
+    try:
+        handlers.train(content, RecordDict() if state is None else state, 1, 3, cfg)
+    finally:
+        logger.removeHandler(handler)
+    return given, lines
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "local"])
+@pytest.mark.parametrize("extra_config", [{}, {"resume-round": 3}], ids=["late-or-lost", "resume-round"])
+def test_a_client_without_state_of_its_own_after_round_one_continues_from_its_latest_saved_round(monkeypatch, tmp_path, strategy, extra_config):
+    import numpy as np
+
+    from client_app.client_state import save_round_state
+
+    folder = tmp_path / "run.clients" / "partition-1"
+    for r in (2, 3):
+        save_round_state(folder, r, {"step": np.array([r], np.int64)}, {"a": np.full(2, r, np.float32)} if strategy == "local" else None)
+    given, lines = _client_round(monkeypatch, tmp_path, strategy, 5 if not extra_config else 4, extra_config)
+    assert given["optimizer_state"]["step"].tolist() == [3]  # its own latest round, not a fresh optimizer
+    assert given["theta"]["a"].tolist() == ([3.0, 3.0] if strategy == "local" else [0.0, 0.0])  # Local: its own adapter
+    assert any("restored its saved state of round 3" in line for line in lines)
+
+
+def test_a_client_new_to_a_new_run_after_round_one_starts_fresh_and_says_so(monkeypatch, tmp_path):
+    given, lines = _client_round(monkeypatch, tmp_path, "local", 3)
+    assert given["optimizer_state"] is None and given["theta"]["a"].tolist() == [0.0, 0.0]  # the server's adapter
+    assert any("client 1: no saved state before round 3; a client new to this run starts fresh" in line for line in lines)
+
+
+def test_a_client_without_saved_state_in_the_first_round_of_a_resumed_run_fails(monkeypatch, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no client state of round <= 2"):
+        _client_round(monkeypatch, tmp_path, "fedavg", 3, {"resume-round": 2})
+
+
+def test_a_client_with_state_of_its_own_does_not_restore_a_saved_round(monkeypatch, tmp_path):
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from client_app.client_state import save_round_state
+
+    save_round_state(tmp_path / "run.clients" / "partition-1", 2, {"step": np.array([2], np.int64)}, None)
+    state = RecordDict({"meta": ConfigRecord({"server-round": 2}), "optimizer": ArrayRecord({"step": Array(np.array([9], np.int64))})})
+    given, _ = _client_round(monkeypatch, tmp_path, "fedavg", 3, state=state)
+    assert given["optimizer_state"]["step"].tolist() == [9]

@@ -112,19 +112,51 @@ def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained
     assert list(queries[0].content["config"]["candidates"]) == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
 
 
-def test_fedtops_selects_over_the_clients_that_answered_and_falls_back_when_none_did():
-    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6)}  # node 2 never answers the query
-    strategy = FedTOPS(**_common(2))
-    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    assert strategy.records[1]["multiplier"] == 10.0
-    assert strategy.records[1]["scored-node-ids"] == [1]
-    assert all(np.array_equal(n, t + np.float32(10.0) * d) for n, t, d in zip(new, THETA, DELTA))
-
+def test_fedtops_falls_back_to_a_equal_one_when_no_client_scored():
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={}))
-    assert strategy.records[1]["fallback"] is True and strategy.records[1]["multiplier"] == 1.0
-    assert strategy.records[1]["teacher_scores"] is None
+    record = strategy.records[1]
+    assert record["fallback"] is True and record["multiplier"] == 1.0
+    assert record["teacher_scores"] is None
+    assert record["unscored-node-ids"] == [1, 2] and record["multiplier-cap"] is None  # a fallback, not a cap
     assert all(np.array_equal(n, t + d) for n, t, d in zip(new, THETA, DELTA))
+
+
+# Node 1 alone would allow a = 10 (its Ĵ falls to 0 and K̂ stays 0): the uncapped choice is 10.
+OPEN = ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6)
+
+
+@pytest.mark.parametrize("how", ["error", "silent", "malformed"])
+def test_a_client_that_trained_without_valid_scores_caps_the_multiplier_at_one(how):
+    scores = {1: OPEN, 2: ([0.5] * 6, [0.0] * 5) if how == "malformed" else OPEN}
+    lost = {2: ("query.score", "superlink" if how == "error" else "silent")} if how != "malformed" else {}
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost=lost))
+    assert all(np.array_equal(n, t + d) for n, t, d in zip(new, THETA, DELTA))  # θ + 1·Δ, both updates in Δ
+    record = strategy.records[1]
+    assert record["scored-node-ids"] == [1] and record["unscored-node-ids"] == [2]
+    assert record["selected-multiplier"] == 10.0 and record["multiplier-cap"] == 1.0 and record["multiplier"] == 1.0
+    assert record["fallback"] is False
+
+
+def test_when_every_client_that_trained_scored_nothing_is_capped():
+    scores = {1: OPEN, 2: OPEN}
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    assert all(np.array_equal(n, t + np.float32(10.0) * d) for n, t, d in zip(new, THETA, DELTA))
+    record = strategy.records[1]
+    assert record["unscored-node-ids"] == [] and record["multiplier-cap"] is None
+    assert record["selected-multiplier"] == record["multiplier"] == 10.0
+
+
+@pytest.mark.parametrize("change, selected", [([1.0] * 6, 0.0), ([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.5)])
+def test_the_cap_leaves_a_hold_and_a_half_step_as_they_are(change, selected):
+    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], change)}  # node 2 trained but never scores
+    strategy = FedTOPS(**_common(2))
+    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = strategy.records[1]
+    assert record["multiplier-cap"] == 1.0 and record["selected-multiplier"] == record["multiplier"] == selected
+    assert all(np.array_equal(n, t + np.float32(selected) * d) for n, t, d in zip(new, THETA, DELTA))
 
 
 def test_fedtops_holds_when_no_candidate_is_feasible():
@@ -179,7 +211,8 @@ def test_a_clearly_negative_or_non_finite_score_invalidates_that_reply(bad, reas
     record = strategy.records[1]
     assert record["scored-node-ids"] == [1]
     assert [e["node-id"] for e in record["excluded"]] == [2] and reason in record["excluded"][0]["reason"]
-    assert record["multiplier"] == 5.0  # selected over client 1 alone
+    assert record["selected-multiplier"] == 5.0  # selected over client 1 alone
+    assert record["multiplier"] == 1.0  # and capped: client 2's update is in Δ, its constraint unknown
 
 
 def test_fixed_multiplier_three_applies_exactly_three_delta():
@@ -236,7 +269,7 @@ def test_a_client_lost_in_the_score_query_is_recorded_and_fedtops_selects_over_t
     _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost={2: ("query.score", how)}))
     record = strategy.records[1]
     assert record["excluded"] == [{"node-id": 2, "reason": reason}]
-    assert record["scored-node-ids"] == [1] and record["multiplier"] == 5.0
+    assert record["scored-node-ids"] == [1] and record["selected-multiplier"] == 5.0 and record["multiplier"] == 1.0
 
 
 def test_after_round_one_a_round_trains_the_clients_still_connected():
@@ -293,7 +326,7 @@ def test_a_malformed_score_reply_is_left_out_even_when_it_arrives_first(reply, r
     record = strategy.records[1]
     assert record["scored-node-ids"] == [2]
     assert [e["node-id"] for e in record["excluded"]] == [1] and reason in record["excluded"][0]["reason"]
-    assert record["multiplier"] == 5.0
+    assert record["selected-multiplier"] == 5.0 and record["multiplier"] == 1.0
 
 
 @pytest.mark.parametrize("weight", [0, -1, float("inf"), float("nan")])
