@@ -62,12 +62,12 @@ def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, 
 def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
     """A run folder under ``folder`` with exactly this resolved config and its last round evaluated."""
     from fedopd.config import parse_run_config
-    from server_app.run_folder import read_rounds
+    from server_app.run_folder import read_rounds, read_run_config
 
     want = parse_run_config(config).to_run_config()
     for run in sorted(folder.glob("*/")) if folder.is_dir() else []:
         try:
-            if json.loads((run / "config.json").read_text()) != want:
+            if read_run_config(run) != want:
                 continue
             rounds = read_rounds(run)
         except (OSError, ValueError):

@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from fedopd.models import load_adapter
-    from server_app.run_folder import read_rounds
+    from server_app.run_folder import read_rounds, read_run_config
 
     try:
         sources = [float(a) for a in args.sources.split(",")]
-        cfg = parse_run_config(json.loads((args.run / "config.json").read_text()))
+        cfg = parse_run_config(read_run_config(args.run))
         records = {r["round"]: r for r in read_rounds(args.run)}
         if cfg.strategy.name in ("local", "centralized"):
             raise ValueError(f"a {cfg.strategy.name!r} run has no federated round increment; use a fedavg, fixed or fedtops run")

@@ -9,7 +9,6 @@ clients' own error messages and their node ids, and the ServerApp raises (:class
 
 from __future__ import annotations
 
-import json
 import time
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -22,11 +21,12 @@ from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server
 from fedopd.lora import from_record
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
 from fedopd.procinfo import rss_mb
+from fedopd.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
 from server_app.progress import FIGURE, TensorBoardLog, draw, run_summary, run_title
-from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds
+from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config
 
 app = ServerApp()
 
@@ -169,7 +169,7 @@ def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: 
     return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
 
 
-def open_resumed_run(cfg: RunConfig, lora_config) -> tuple[RunFolder, int]:
+def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
     The folder must hold a run whose resolved config equals this one except for
@@ -178,7 +178,7 @@ def open_resumed_run(cfg: RunConfig, lora_config) -> tuple[RunFolder, int]:
     path = Path(cfg.resume_from).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: no run folder there (no config.json)")
-    original = json.loads((path / "config.json").read_text())
+    original = read_run_config(path)
     changed = config_mismatch(original, cfg.to_run_config())
     if changed:
         diffs = ", ".join(f"'{k}' ({original.get(k)!r} -> {cfg.to_run_config()[k]!r})" for k in changed)
@@ -191,7 +191,7 @@ def open_resumed_run(cfg: RunConfig, lora_config) -> tuple[RunFolder, int]:
     done = max((r["round"] for r in complete_rounds(path)), default=0)
     if done >= cfg.num_server_rounds:
         raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: the run already completed its {done} rounds; raise 'num-server-rounds' to continue it")
-    run = RunFolder(path, cfg, lora_config)
+    run = RunFolder(path, cfg, lora_config, resolved)
     return run, done
 
 
@@ -202,15 +202,20 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     the global adapter saved there (the clients restore their own state, ``client_app/client_state.py``).
     """
     grid = PromptGrid(grid, on_reply=log_reply)
+    # The pair and its stop set, from the models' files, before anything is written: a pair the
+    # clients would refuse stops here, and config.json records where responses end.
+    stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
+    log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
+    resolved = {"rollout.stop-tokens": stop.as_record()}
     arrays, lora_config = initial_adapter(cfg)
     local = cfg.strategy.name == "local"
     if cfg.resume_from:
-        run, done = open_resumed_run(cfg, lora_config)
+        run, done = open_resumed_run(cfg, lora_config, resolved)
         if done > 0 and not local:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
-        run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config), 0
+        run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
 

@@ -48,6 +48,16 @@ def new_run_dir(output_dir: str | Path, label: str) -> Path:
     raise FileExistsError(f"could not create a new run folder under {root}")
 
 
+RESOLVED = "resolved"  # config.json: values the run config resolved to (not run-config keys)
+
+
+def read_run_config(folder: str | Path) -> dict[str, Any]:
+    """The run-config keys of a run folder's ``config.json`` (without its ``resolved`` facts)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config.pop(RESOLVED, None)
+    return config
+
+
 def config_mismatch(original: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """The run-config keys whose values differ and that a resumed run may not change."""
     from fedopd.config import RESUME_FREE_KEYS, parse_run_config
@@ -88,10 +98,13 @@ def complete_rounds(path: Path) -> list[dict[str, Any]]:
 class RunFolder:
     """Writes one run's files as the run goes (a resumed run: appends to its folder)."""
 
-    def __init__(self, path: Path, cfg: RunConfig, lora_config) -> None:
+    def __init__(self, path: Path, cfg: RunConfig, lora_config, resolved: Mapping[str, Any] | None = None) -> None:
         self.path = path
         self.lora_config = lora_config
-        (path / "config.json").write_text(json.dumps(cfg.to_run_config(), indent=2, sort_keys=True) + "\n")
+        config = cfg.to_run_config()
+        if resolved:  # what the run config resolved to on this run's models, e.g. the stop token ids
+            config[RESOLVED] = dict(resolved)
+        (path / "config.json").write_text(json.dumps(_jsonable(config), indent=2, sort_keys=True) + "\n")
 
     def adapter_dir(self, server_round: int, client: int | None = None) -> Path:
         """``round-NNN/`` (global adapter) or ``round-NNN/client-<partition-id>/`` (Local)."""

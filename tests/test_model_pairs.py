@@ -135,3 +135,29 @@ def test_eval_run_stops_where_training_stops_when_given_the_teacher(model_copies
     assert evaluation_stop_tokens(model_copies["base-student"], model_copies["instruct-teacher"], "auto").ids == (ENDOFTEXT, IM_END)
     assert evaluation_stop_tokens(model_copies["base-student"], None, "auto").ids == (ENDOFTEXT,)
     assert evaluation_stop_tokens(model_copies["base-student"], None, "<|im_end|>").ids == (IM_END,)
+
+
+ONE_ROUND = {"num-server-rounds": 1, "eval.every": 0, "data.prompts-per-client": 16, "rollout.per-round": 8,
+             "rollout.max-new-tokens": 48, "cache.rollouts": 2}
+
+
+def test_a_run_of_the_base_instruct_pair_records_its_resolved_stop_set_in_config_json(model_copies, tmp_path):
+    import json
+
+    from server_app.inprocess import run_in_process
+
+    run = run_in_process({**ONE_ROUND, "output-dir": str(tmp_path), "model.student": model_copies["base-student"],
+                          "model.teacher": model_copies["instruct-teacher"]})
+    config = json.loads((run / "config.json").read_text())
+    assert config["rollout.stop-tokens"] == "auto"
+    assert config["resolved"]["rollout.stop-tokens"] == {"ids": [ENDOFTEXT, IM_END], "tokens": ["<|endoftext|>", "<|im_end|>"]}
+    assert json.loads((run / "status.json").read_text())["status"] == "completed"
+
+
+def test_a_pair_with_another_vocabulary_stops_the_run_before_anything_is_written(model_copies, tmp_path):
+    from server_app.inprocess import run_in_process
+
+    with pytest.raises(ModelLoadError, match="must share a vocabulary"):
+        run_in_process({**ONE_ROUND, "output-dir": str(tmp_path / "runs"), "model.student": model_copies["base-student"],
+                        "model.teacher": model_copies["other-vocab-teacher"]})
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
