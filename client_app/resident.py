@@ -14,12 +14,24 @@ host runs a Ray instance (``ray start --head``), and the ClientApp (node config
   message at a time; per-client state (θ_t, scoring cache, optimizer state) travels with the
   message as the client's ``context.state`` and comes back with the reply, so nothing of a run
   is kept in the worker;
-- ``python -m client_app.resident status|stop`` lists or stops the workers.
+- ``python -m client_app.resident status|stop [--ray-insecure]`` lists or stops the workers.
 
 Node config keys (``flower-supernode --node-config``): ``worker`` (``"resident"``),
 ``worker-name`` (default ``"default"``; one per SuperNode when several share a host),
-``ray-address`` (default ``"auto"``), ``worker-gpus`` (GPUs the actor holds; default 1 where the
-Ray instance has a GPU, else 0) and ``worker-threads`` (torch CPU threads; default: Ray's).
+``ray-address`` (default ``"auto"``), ``ray-insecure`` (default ``false``; see below),
+``worker-gpus`` (GPUs the actor holds; default 1 where the Ray instance has a GPU, else 0) and
+``worker-threads`` (torch CPU threads; default: Ray's).
+
+Ray authentication: whoever can reach a Ray instance's ports can run any code on its host, and
+Ray listens on all interfaces whatever ``--node-ip-address`` says. So the host's Ray must run with
+token authentication (Ray >= 2.52): ``RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<file> ray start
+--head``, the file holding a random token, mode 0600 (``python scripts/deployment_tools.py
+ray-token <file>`` makes one), and the SuperNode gets the same two environment variables, which
+its ClientApp processes inherit. Before joining, :func:`connect` asks the instance's GCS for its
+cluster id without a token: an instance that answers runs without authentication and is refused,
+unless the node config sets ``ray-insecure = true`` (a trusted network only; logged as a warning).
+An instance that wants a token this process does not have, or another one, is reported at once
+(``ray.init`` would retry for 20 s and then say only that it could not connect).
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ def worker_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
         "backend": r.backend,
         "max-model-len": cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens),
         "gpu-memory-utilization": r.gpu_memory_utilization,
+        "stop-tokens": r.stop_tokens,
         "version": __version__,
     }
 
@@ -87,18 +100,114 @@ class ResidentWorker:
         return {"pid": os.getpid(), "model-loads": model_loads(), "identity": self.identity}
 
 
-def connect(address: str = "auto") -> None:
-    """Join the host's Ray instance (``ray start --head``) in the workers' namespace."""
+def connect(address: str = "auto", insecure: bool = False) -> None:
+    """Join the host's Ray instance (``ray start --head``) in the workers' namespace.
+
+    Refuses an instance that runs without authentication unless ``insecure`` (node config
+    ``ray-insecure``); see the module docstring.
+    """
     import ray
 
-    if not ray.is_initialized():
-        hint = f"node config worker = 'resident' needs a Ray instance on this host at ray-address = {address!r} (start one with `ray start --head`)"
-        if address != "auto" and not _reachable(address):
-            raise RuntimeError(f"{hint}: nothing answers at {address}")  # ray.init would wait for minutes
+    if ray.is_initialized():
+        check_authentication(ray.get_runtime_context().gcs_address, insecure)
+        return
+    hint = f"node config worker = 'resident' needs a Ray instance on this host at ray-address = {address!r} (start one with `ray start --head`)"
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
         try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+            gcs_address = canonicalize_bootstrap_address_or_die(address)  # as ray.init resolves it
         except ConnectionError as err:
-            raise RuntimeError(hint) from err
+            raise RuntimeError(f"{hint}: {err}") from None
+    else:
+        gcs_address = address
+    if not _reachable(gcs_address):
+        raise RuntimeError(f"{hint}: nothing answers at {gcs_address}")  # ray.init would wait for minutes
+    check_authentication(gcs_address, insecure)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as err:
+        raise RuntimeError(hint) from err
+
+
+# The GCS call used to learn whether a Ray instance checks tokens: it takes an empty request and
+# is the first call every Ray client makes (GcsClient::Connect).
+_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+_FIX = ("start Ray with token authentication, RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<file> ray start --head ..., "
+        "the file holding a random token with mode 0600 (`python scripts/deployment_tools.py ray-token <file>` makes one; "
+        "scripts/local-deployment.sh does all this), and give the SuperNode the same RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH")
+_CHECKED: dict[tuple[str, bool], str] = {}  # (GCS address, insecure) -> its auth mode, once accepted in this process
+
+
+def gcs_accepts(gcs_address: str, token: str | None = None, timeout: float = 10.0) -> bool:
+    """Whether the GCS at ``gcs_address`` answers a call that presents ``token`` (None: no token);
+    False if it refuses it as unauthenticated. A GCS that answers without a token runs without
+    authentication."""
+    import grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            channel.unary_unary(_PROBE)(b"", timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return False
+            raise RuntimeError(f"could not tell whether the Ray instance at {gcs_address} checks tokens: "
+                               f"its GCS answered {err.code().name}: {err.details()}") from None
+    return True
+
+
+def local_token() -> tuple[str | None, str]:
+    """(this process's Ray token, where it comes from), as Ray looks for it: ``RAY_AUTH_TOKEN``,
+    the file ``RAY_AUTH_TOKEN_PATH``, then ``~/.ray/auth_token`` (first line, stripped)."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    try:
+        with open(path) as f:
+            return f.readline().strip() or None, path
+    except OSError:
+        return None, path
+
+
+def check_authentication(gcs_address: str, insecure: bool = False) -> str:
+    """Refuse (RuntimeError) a Ray instance that runs without authentication, unless ``insecure``
+    (then warn); for one that checks tokens, make sure this process presents the right one.
+    Returns the instance's auth mode (``"token"`` or ``"disabled"``)."""
+    if (gcs_address, insecure) in _CHECKED:
+        return _CHECKED[gcs_address, insecure]
+    mode = "disabled" if gcs_accepts(gcs_address) else "token"
+    if mode == "disabled":
+        if not insecure:
+            raise RuntimeError(
+                f"refusing the Ray instance at {gcs_address}: it runs without authentication, so anyone who can reach "
+                f"its ports can run code on this host. Fix: {_FIX}. On a trusted network only: node config "
+                "ray-insecure = true"
+            )
+        from logging import WARNING
+
+        from flwr.common.logger import log
+
+        log(WARNING, "node config ray-insecure = true: joining the Ray instance at %s, which runs WITHOUT authentication "
+                     "(anyone who can reach its ports can run code on this host)", gcs_address)
+    else:
+        token, source = local_token()
+        problem = None
+        if not token:
+            problem = f"no token ({source} is missing or empty)"
+        elif os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+            problem = f"RAY_AUTH_MODE = {os.environ.get('RAY_AUTH_MODE', '')!r}, so Ray would not send its token"
+        if problem:
+            raise RuntimeError(
+                f"the Ray instance at {gcs_address} requires token authentication and this process has {problem}: "
+                "give this process (for the ClientApp: the SuperNode) RAY_AUTH_MODE=token and "
+                "RAY_AUTH_TOKEN_PATH=<the token file Ray was started with>"
+            )
+        if not gcs_accepts(gcs_address, token):
+            raise RuntimeError(f"the Ray instance at {gcs_address} refuses this process's token (from {source}): "
+                               "set RAY_AUTH_TOKEN_PATH to the token file Ray was started with")
+    _CHECKED[gcs_address, insecure] = mode
+    return mode
 
 
 def _reachable(address: str, timeout: float = 2.0) -> bool:
@@ -119,11 +228,20 @@ def _node_float(node_config: Mapping[str, Any], key: str) -> float | None:
         raise ValueError(f"node config {key!r} = {node_config[key]!r} is not a number") from err
 
 
+def _node_bool(node_config: Mapping[str, Any], key: str) -> bool:
+    value = node_config.get(key, False)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"node config {key!r} = {value!r}: expected true or false")
+
+
 def get_worker(run_config: Mapping[str, Any], node_config: Mapping[str, Any]):
     """The handle of this host's worker for these models, started if needed."""
     import ray
 
-    connect(str(node_config.get("ray-address", "auto")))
+    connect(str(node_config.get("ray-address", "auto")), _node_bool(node_config, "ray-insecure"))
     group = str(node_config.get("worker-name", "default"))
     identity = worker_identity(run_config)
     name = actor_name(group, identity)
@@ -187,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["status", "stop"])
     parser.add_argument("--address", default="auto", help="Ray address (default: auto, the instance of `ray start --head`)")
     parser.add_argument("--name", default=None, help="only the workers of this node config worker-name")
+    parser.add_argument("--ray-insecure", action="store_true", help="join a Ray instance that runs without authentication (trusted networks only)")
     args = parser.parse_args(argv)
-    connect(args.address)
+    connect(args.address, args.ray_insecure)
     import ray
 
     if args.command == "stop":

@@ -18,9 +18,27 @@
 # fault injection for tests. The last line printed is `run folder: <absolute path>`; the exit
 # status is non-zero if the run failed. Everything started is stopped by process group, also on
 # Ctrl-C. Logs stay in the work folder (printed first; --workdir to choose it).
+#
+# Ray security: whoever reaches a Ray instance's ports can run any code on its host, and Ray
+# listens on all interfaces whatever --node-ip-address says. Every Ray instance here runs with
+# token authentication: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<work>/ray.token (ray-<i>.token
+# with --netns), a random 256-bit token made by `scripts/deployment_tools.py ray-token` with mode
+# 0600, never printed, kept if it is already there; the SuperNodes (and so their ClientApps and
+# resident workers) get the same two variables, and client_app/resident.py refuses a Ray instance
+# without authentication (node config ray-insecure = true opts out, trusted networks only).
+# Firewall a GPU host's Ray ports from everything but itself anyway (the token travels in clear
+# text). Seen listening with `ss -ltnp` (Ray 2.55.1): the GCS (--port, default 6379; all
+# interfaces), the raylet's node manager and object manager (random unless --node-manager-port,
+# --object-manager-port; all interfaces), the Ray Client server (10001, --ray-client-server-port;
+# loopback and the host's address), the runtime-env agent (random, --runtime-env-agent-port; the
+# host's address) and one port per worker process, e.g. each resident worker (10002-19999,
+# --min-worker-port/--max-worker-port; all interfaces). With ray[default] installed also the
+# dashboard (8265, --dashboard-port; 127.0.0.1 unless --dashboard-host), the dashboard agent (52365,
+# --dashboard-agent-listen-port, and --dashboard-agent-grpc-port) and the metrics export port
+# (--metrics-export-port).
 set -euo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 NODES=2; TLS=1; AUTH=1; NETNS=0; WORK=""; KILLS=()
 while (($#)); do
@@ -143,20 +161,34 @@ if ((AUTH)); then
   done
 fi
 
+# --- Preflight: the run's config, models, stop set, prompts and memory, before any SuperNode ---
+PREFLIGHT_ARGS=(--num-clients "$NODES")
+for ((k = 0; k < ${#FLWR_RUN_ARGS[@]}; k++)); do
+  [[ "${FLWR_RUN_ARGS[$k]}" == "--run-config" || "${FLWR_RUN_ARGS[$k]}" == "-c" ]] && PREFLIGHT_ARGS+=(--run-config "${FLWR_RUN_ARGS[$((k + 1))]}")
+done
+python -m fedopd.preflight "${PREFLIGHT_ARGS[@]}" >"$WORK/preflight.txt" 2>&1 \
+  || { cat "$WORK/preflight.txt" >&2; echo "error: preflight failed (table above); no SuperNode was started" >&2; exit 1; }
+
 # --- Ray (the resident workers' engine) and the SuperNodes ---------------------------------
 # Ray's socket paths must stay short: its session folders go to a short temp folder, removed at exit.
 RAY_TMP="$(mktemp -d /tmp/ftr.XXXXXX)"
 RAY_ARGS=(--head --block --include-dashboard=false --disable-usage-stats --num-cpus "$(nproc)")
 node_prefix() { if ((NETNS)); then echo ip netns exec "fedtops-$$-$1"; fi; }
 ray_address() { if ((NETNS)); then echo "10.$NET.$1.2:6379"; else echo "127.0.0.1:$RAY_PORT"; fi; }
+# Token authentication (see the top): one token file per Ray instance, i.e. per simulated host.
+ray_token() { if ((NETNS)); then echo "$WORK/ray-$1.token"; else echo "$WORK/ray.token"; fi; }
+# ray_env I: RAY_ENV=(the env command giving Ray instance I's token; an outer RAY_AUTH_TOKEN would win).
+ray_env() { RAY_ENV=(env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token "RAY_AUTH_TOKEN_PATH=$(ray_token "$1")"); }
 if ((NETNS)); then
   for ((i = 0; i < NODES; i++)); do
-    start "$WORK/ray-$i.log" $(node_prefix "$i") ray start "${RAY_ARGS[@]}" --node-ip-address "10.$NET.$i.2" \
+    python "$TOOLS" ray-token "$(ray_token "$i")"; ray_env "$i"
+    start "$WORK/ray-$i.log" $(node_prefix "$i") "${RAY_ENV[@]}" ray start "${RAY_ARGS[@]}" --node-ip-address "10.$NET.$i.2" \
       --port 6379 --temp-dir "$RAY_TMP/$i"
   done
 else
+  python "$TOOLS" ray-token "$(ray_token 0)"; ray_env 0
   RAY_PORT="$(python "$TOOLS" free-port)"
-  start "$WORK/ray.log" ray start "${RAY_ARGS[@]}" --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
+  start "$WORK/ray.log" "${RAY_ENV[@]}" ray start "${RAY_ARGS[@]}" --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
     --ray-client-server-port "$(python "$TOOLS" free-port)" --dashboard-agent-listen-port "$(python "$TOOLS" free-port)" \
     --temp-dir "$RAY_TMP/0"
 fi
@@ -169,8 +201,9 @@ for ((i = 0; i < NODES; i++)); do
   ((NETNS)) || SN_ARGS[3]="$(python "$TOOLS" free-port)"
   if ((TLS)); then SN_ARGS+=(--root-certificates "$CREDS/ca.crt"); else SN_ARGS+=(--insecure); fi
   ((AUTH)) && SN_ARGS+=(--auth-supernode-private-key "$CREDS/supernode-$i")
-  start "$WORK/supernode-$i.log" $(node_prefix "$i") env FLWR_HOME="$WORK/supernode-$i" FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 \
-    flower-supernode "${SN_ARGS[@]}"
+  ray_env "$((NETNS ? i : 0))"
+  start "$WORK/supernode-$i.log" $(node_prefix "$i") "${RAY_ENV[@]}" FLWR_HOME="$WORK/supernode-$i" \
+    FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 flower-supernode "${SN_ARGS[@]}"
   NODE_PGID[$i]=$LAST_PID
 done
 for k in "${KILLS[@]}"; do

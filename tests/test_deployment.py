@@ -1,8 +1,9 @@
 """The app deployed for real: SuperLink, SuperNodes and resident workers as separate processes.
 
-Everything runs through ``scripts/local-deployment.sh`` (TLS and SuperNode authentication on,
-as by default) on the tiny preset, 2 SuperNodes. A killed SuperNode is detected by the server's
-phase timeout (``timeout.train``/``timeout.score``; Flower's own heartbeat takes a minute).
+Everything runs through ``scripts/local-deployment.sh`` (TLS, SuperNode authentication and Ray
+token authentication on, as by default) on the tiny preset, 2 SuperNodes. A killed SuperNode is
+detected by the server's phase timeout (``timeout.train``/``timeout.score``; Flower's own
+heartbeat takes a minute).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -98,6 +100,21 @@ def test_two_fedtops_rounds_over_tls_with_authentication(tls_run):
         assert r["multiplier"] in r["candidates"]
     assert (run / "round-002" / "adapter_model.safetensors").is_file()
     assert not _no_process_left(tmp / "work")  # the script stopped everything it started
+
+
+def test_the_hosts_ray_ran_with_token_authentication(tls_run):
+    """The run went through, so the resident workers joined Ray: they refuse a Ray instance
+    without authentication, and the script's node config has no ray-insecure. The token file is
+    0600 and its token is printed nowhere."""
+    tmp, done, run = tls_run
+    assert done.returncode == 0 and run is not None
+    work = tmp / "work"
+    assert "ray-insecure" not in (work / "supernode-0.log").read_text()
+    token = work / "ray.token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    secret = token.read_text().strip()
+    assert len(secret) == 64 and secret not in done.stdout + done.stderr
+    assert not [p.name for p in work.rglob("*") if p.is_file() and p != token and secret in p.read_text(errors="replace")]
 
 
 def test_each_host_loads_its_models_once(tls_run):

@@ -90,7 +90,9 @@ def _message(theta, server_round):
 
 
 def _context(cfg, mode):
-    node = {"partition-id": 0, "num-partitions": 3, "worker": mode, "worker-name": "test"}
+    # ray-insecure: the Ray instance is this test process's own, started without authentication;
+    # the refusal of such an instance is tested in test_ray_auth.py.
+    node = {"partition-id": 0, "num-partitions": 3, "worker": mode, "worker-name": "test", "ray-insecure": True}
     return Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config=cfg.to_run_config())
 
 
