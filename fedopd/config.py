@@ -93,6 +93,8 @@ class TrainSettings:
     loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
     packing: str = "auto"  # micro-batches packed (padding-free) or padded; auto: packed with flash-attention 2
     exact_kl: bool = False  # also report kl_before / kl_after over all rollouts (two extra student passes)
+    loss: str = "reverse_kl"  # the per-token divergence (fedopd.loss.DIVERGENCES); the paper's reverse KL
+    loss_beta: float = 0.5  # β of train.loss = 'jsd' (0 = forward KL, 1 = reverse KL)
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,27 @@ def _choice(options: tuple[str, ...]) -> tuple[type, Check, str]:
     return str, lambda v: v in options, "one of " + ", ".join(repr(o) for o in options)
 
 
+class _Registered:
+    """The names of a registry (a dict in a module), read when first needed, so that this module
+    imports nothing of the engine and a registry may register more names before validation."""
+
+    def __init__(self, module: str, attribute: str) -> None:
+        self.module, self.attribute = module, attribute
+
+    def names(self) -> tuple[str, ...]:
+        import importlib
+
+        return tuple(getattr(importlib.import_module(self.module), self.attribute))
+
+    def __str__(self) -> str:
+        return "one of " + ", ".join(repr(n) for n in self.names())
+
+
+def _registered(module: str, attribute: str) -> tuple[type, Check, Any]:
+    registry = _Registered(module, attribute)
+    return str, lambda v: v in registry.names(), registry
+
+
 def _nonempty() -> tuple[type, Check, str]:
     return str, lambda v: bool(v.strip()), "a non-empty string"
 
@@ -269,6 +292,8 @@ _key("train.optimizer-state", "train.optimizer_state", _choice(OPTIMIZER_STATES)
 _key("train.gradient-checkpointing", "train.gradient_checkpointing", _bool())
 _key("train.packing", "train.packing", _choice(PACKING))
 _key("train.exact-kl", "train.exact_kl", _bool())
+_key("train.loss", "train.loss", _registered("fedopd.loss", "DIVERGENCES"))
+_key("train.loss-beta", "train.loss_beta", _float(0.0, strict=False, hi=1.0))
 _key("strategy.name", "strategy.name", _choice(STRATEGIES))
 _key("strategy.multiplier", "strategy.multiplier",
      (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER),
