@@ -14,16 +14,8 @@ from logging import INFO
 from flwr.common.logger import log
 
 from fedopd.config import DataConfig, LoraSettings, ModelConfig, RunConfig
-from fedopd.data import (
-    MATH_CLIENT_GROUPS,
-    Prompt,
-    encode_prompts,
-    load_math_rows,
-    partition_math,
-    tiny_arith_partition,
-)
+from fedopd.data import DATASETS, Prompt, encode_prompts
 from fedopd.round import ClientModels, load_client_models
-from fedopd.sandbox import task as sandbox
 from fedopd.vocab import ModelFiles, eos_conventions
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
@@ -67,30 +59,18 @@ def worker_models(
     return models
 
 
-@lru_cache(maxsize=1)
-def math_partitions(path: str, prompts_per_client: int, seed: int) -> tuple[tuple[dict, ...], ...]:
-    """The three MATH client partitions, computed once per process (every client reads its own)."""
-    return tuple(tuple(p) for p in partition_math(load_math_rows(path), prompts_per_client, seed))
-
-
-def partition_rows(data: DataConfig, partition_id: int, num_partitions: int, seed: int) -> list[dict]:
-    """The training rows of one client partition."""
-    if data.name == "sandbox":
-        return sandbox.client_partition(partition_id, num_partitions, data.prompts_per_client, seed)
-    if data.name == "tiny-arith":
-        return tiny_arith_partition(partition_id, num_partitions, data.prompts_per_client, seed)
-    if data.name == "math":
-        if num_partitions != len(MATH_CLIENT_GROUPS):
-            raise ValueError(f"data.name = 'math' has {len(MATH_CLIENT_GROUPS)} subject-group clients; num-partitions is {num_partitions}")
-        return list(math_partitions(data.path, data.prompts_per_client, seed)[partition_id])
-    raise ValueError(f"data.name = {data.name!r} has no loader; allowed: 'sandbox', 'tiny-arith', 'math'")
+def partition_rows(data: DataConfig, partition_id: int, num_partitions: int) -> list[dict]:
+    """The training rows of one client partition (the prompt set ``data.name``, :data:`fedopd.data.DATASETS`)."""
+    return DATASETS[data.name].train_rows(data, partition_id, num_partitions)
 
 
 def heldout_rows(data: DataConfig, partition_id: int, num_partitions: int, count: int) -> list[dict]:
-    """The held-out rows of one client: its skill, never among any client's training prompts."""
-    if data.name == "sandbox":
-        return sandbox.client_heldout(partition_id, num_partitions, count)
-    raise ValueError(f"data.name = {data.name!r} has no held-out problems; allowed: 'sandbox'")
+    """The held-out rows of one client, never among any client's training prompts."""
+    loader = DATASETS[data.name].heldout_rows
+    if loader is None:
+        allowed = ", ".join(repr(n) for n, d in DATASETS.items() if d.heldout_rows is not None)
+        raise ValueError(f"data.name = {data.name!r} has no held-out problems; allowed: {allowed}")
+    return loader(data, partition_id, num_partitions, count)
 
 
 def _models(cfg: RunConfig) -> ClientModels:
@@ -106,7 +86,7 @@ def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int,
     key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.model.student)
     if key not in _PROMPTS:
         if kind == "train":
-            rows = partition_rows(cfg.data, partition_id, num_partitions, cfg.data.seed)
+            rows = partition_rows(cfg.data, partition_id, num_partitions)
         else:
             rows = heldout_rows(cfg.data, partition_id, num_partitions, cfg.eval.prompts_per_client)
         source = f"{kind} prompts of client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"

@@ -29,8 +29,6 @@ class ConfigError(ValueError):
 
 
 BACKENDS = ("auto", "hf", "vllm")
-DATASETS = ("sandbox", "tiny-arith", "math")
-EVAL_DATASETS = ("sandbox",)  # with held-out problems per client
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 PACKING = ("auto", "packed", "padded")
@@ -271,7 +269,7 @@ _key("model.dtype", "model.dtype", _choice(DTYPES))
 _key("model.teacher-batch", "model.teacher_batch", _int(1))
 _key("lora.rank", "lora.rank", _int(1))
 _key("lora.alpha", "lora.alpha", _float(0.0, strict=True))
-_key("data.name", "data.name", _choice(DATASETS))
+_key("data.name", "data.name", _registered("fedopd.data", "DATASETS"))
 _key("data.prompts-per-client", "data.prompts_per_client", _int(1))
 _key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
 _key("data.path", "data.path", (str, lambda v: True, "a local file or folder, or '' for the hub"))
@@ -433,11 +431,14 @@ def _check_cross(cfg: RunConfig) -> None:
             f"run config 'train.mini-batch' = {t.mini_batch} is not a multiple of "
             f"'train.micro-batch' = {t.micro_batch}; allowed: a mini-batch that the micro-batch divides"
         )
-    if cfg.eval.every and cfg.data.name not in EVAL_DATASETS:
+    from fedopd.data import DATASETS as PROMPT_SETS
+
+    if cfg.eval.every and PROMPT_SETS[cfg.data.name].heldout_rows is None:
+        with_heldout = [name for name, prompt_set in PROMPT_SETS.items() if prompt_set.heldout_rows is not None]
         raise ConfigError(
             f"run config 'eval.every' = {cfg.eval.every} needs held-out problems per client, which "
             f"'data.name' = {cfg.data.name!r} does not have; allowed: 0 (evaluate with python -m eval.run), "
-            f"or data.name one of {', '.join(repr(d) for d in EVAL_DATASETS)}"
+            f"or data.name one of {', '.join(repr(d) for d in with_heldout)}"
         )
     if cfg.rollout.backend in ("vllm", "auto"):  # auto may pick vLLM on a GPU host
         from fedopd.rollout_vllm import check_vllm_sampling

@@ -1,4 +1,6 @@
-"""Client prompts: the tiny-arith set, prompt rendering, and the per-round prompt loader.
+"""Client prompts: the prompt sets by name (:data:`DATASETS`), prompt rendering, and the per-round loader.
+
+A new prompt set is one loader function and one :func:`register_dataset` line.
 
 A row is a dict with at least ``problem`` and ``answer`` (the gold answer as a string). Prompts
 are rendered as in the paper: the problem, a newline, :data:`INSTRUCTION`, as one user
@@ -10,7 +12,8 @@ truncated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -260,3 +263,63 @@ def load_math_rows(path: str = "") -> list[dict]:
     for config in MATH_CONFIGS:
         rows += [dict(r) for r in load_dataset(MATH_HUB_ID, config, split="train")]
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sets by name (data.name)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A client prompt set: how to get one client's training rows, and its held-out rows.
+
+    ``train_rows(data, partition_id, num_partitions)`` and ``heldout_rows(data, partition_id,
+    num_partitions, count)`` take the validated ``DataConfig`` (``data.seed``, ``data.path``,
+    ``data.prompts-per-client``, ...) and return rows with ``problem`` and ``answer``. A set
+    without held-out problems leaves ``heldout_rows`` None (``eval.every`` must then be 0).
+    """
+
+    train_rows: Callable[..., list[dict]]
+    heldout_rows: Callable[..., list[dict]] | None = None
+
+
+DATASETS: dict[str, PromptSet] = {}
+
+
+def register_dataset(name: str, train_rows: Callable[..., list[dict]], heldout_rows: Callable[..., list[dict]] | None = None) -> None:
+    """Make ``data.name = name`` valid (the run config reads its allowed names from here)."""
+    DATASETS[name] = PromptSet(train_rows, heldout_rows)
+
+
+def _sandbox_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+    from fedopd.sandbox import task
+
+    return task.client_partition(partition_id, num_partitions, data.prompts_per_client, data.seed)
+
+
+def _sandbox_heldout(data, partition_id: int, num_partitions: int, count: int) -> list[dict]:
+    from fedopd.sandbox import task
+
+    return task.client_heldout(partition_id, num_partitions, count)
+
+
+def _tiny_arith_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+    return tiny_arith_partition(partition_id, num_partitions, data.prompts_per_client, data.seed)
+
+
+@lru_cache(maxsize=1)
+def math_partitions(path: str, prompts_per_client: int, seed: int) -> tuple[tuple[dict, ...], ...]:
+    """The three MATH client partitions, computed once per process (every client reads its own)."""
+    return tuple(tuple(p) for p in partition_math(load_math_rows(path), prompts_per_client, seed))
+
+
+def _math_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+    if num_partitions != len(MATH_CLIENT_GROUPS):
+        raise ValueError(f"data.name = 'math' has {len(MATH_CLIENT_GROUPS)} subject-group clients; num-partitions is {num_partitions}")
+    return list(math_partitions(data.path, data.prompts_per_client, data.seed)[partition_id])
+
+
+register_dataset("sandbox", _sandbox_train, _sandbox_heldout)
+register_dataset("tiny-arith", _tiny_arith_train)
+register_dataset("math", _math_train)

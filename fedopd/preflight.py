@@ -265,7 +265,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
         counts = []
         for pid in range(clients):
-            rows = partition_rows(cfg.data, pid, clients, cfg.data.seed)
+            rows = partition_rows(cfg.data, pid, clients)
             kept = sum(
                 len(student.tokenizer(render_prompt(student.tokenizer, r["problem"]), add_special_tokens=False)["input_ids"])
                 <= cfg.data.max_prompt_tokens

@@ -88,7 +88,7 @@ def test_client_partition_for_math_needs_three_partitions(math_file):
     from client_app.worker import partition_rows
     from fedopd.config import DataConfig
 
-    data = DataConfig(name="math", prompts_per_client=20, path=str(math_file))
-    assert len(partition_rows(data, 2, 3, seed=42)) == 20
+    data = DataConfig(name="math", prompts_per_client=20, path=str(math_file), seed=42)
+    assert len(partition_rows(data, 2, 3)) == 20
     with pytest.raises(ValueError, match="3 subject-group clients; num-partitions is 4"):
-        partition_rows(data, 0, 4, seed=42)
+        partition_rows(data, 0, 4)
