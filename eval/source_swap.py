@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from client_app.worker import setup_heldout
     from fedopd.lora import apply_increment
     from fedopd.models import save_adapter
-    from fedopd.round import derive_seed, heldout_correctness
+    from fedopd.heldout import heldout_correctness
+    from fedopd.round import derive_seed
 
     adapters = {"start": theta_prev}
     for a in sources:

@@ -3,7 +3,8 @@
 from fedopd.config import EvalSettings
 from fedopd.data import Prompt
 from fedopd.rollout import RolloutEngine, Rollouts
-from fedopd.round import ClientModels, evaluate_heldout
+from fedopd.heldout import evaluate_heldout
+from fedopd.round import ClientModels
 
 
 class Tok:

@@ -34,7 +34,8 @@ from fedopd.config import LoraSettings, app_defaults, parse_run_config
 from fedopd.data import round_indices
 from fedopd.models import attach_lora, load_causal_lm
 from fedopd.rollout import HFRolloutEngine, SamplingParams
-from fedopd.round import ClientModels, derive_seed, evaluate_heldout
+from fedopd.heldout import evaluate_heldout
+from fedopd.round import ClientModels, derive_seed
 
 
 def main() -> None:
