@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be at least 2 (round 1 is left out)")
     overrides = parse_overrides(args.run_config)
 
-    from fedopd.config import app_defaults, parse_run_config
+    from fedopd.config import parse_run_config
+    from fedopd.presets import app_defaults
 
     parse_run_config({**app_defaults(), **overrides})  # a bad override fails before any run
     rows: dict[str, list[dict]] = {"fedavg": [], "fedtops": []}

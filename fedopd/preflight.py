@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fedopd.config import ConfigError, RunConfig, app_defaults, check_server_requirements, load_preset, overrides_from_args, parse_run_config
+from fedopd.config import ConfigError, RunConfig, check_server_requirements, parse_run_config
+from fedopd.presets import app_defaults, load_preset, overrides_from_args
 from fedopd.errors import ModelLoadError
 
 GIB = 1024**3

@@ -52,13 +52,13 @@ def test_total_local_steps_follow_rounds_rollouts_and_mini_batch():
 
 
 def test_dataclass_defaults_are_the_apps_tiny_preset():
-    from fedopd.config import app_defaults
+    from fedopd.presets import app_defaults
 
     assert parse_run_config(app_defaults()) == RunConfig()
 
 
 def test_config_cli_validates_a_file_of_overrides(tmp_path, capsys):
-    from fedopd.config import main
+    from fedopd.presets import main
 
     good = tmp_path / "good.toml"
     good.write_text('num-server-rounds = 50\n"train.lr" = 9e-6\n')
@@ -99,7 +99,7 @@ def test_fixed_without_a_multiplier_is_an_error_naming_the_key():
 def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
     import json
 
-    from fedopd.config import main
+    from fedopd.presets import main
 
     assert main(["--run-config", "strategy.name='fixed' strategy.multiplier=3.0", "-c", "train.mini-batch=8"]) == 0
     resolved = json.loads(capsys.readouterr().out)

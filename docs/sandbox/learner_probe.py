@@ -30,7 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from client_app.worker import setup, setup_heldout
-from fedopd.config import LoraSettings, app_defaults, parse_run_config
+from fedopd.config import LoraSettings, parse_run_config
+from fedopd.presets import app_defaults
 from fedopd.data import round_indices
 from fedopd.models import attach_lora, load_causal_lm
 from fedopd.rollout import HFRolloutEngine, SamplingParams
