@@ -57,17 +57,27 @@ def test_dataclass_defaults_are_the_apps_tiny_preset():
     assert parse_run_config(app_defaults()) == RunConfig()
 
 
-def test_config_cli_validates_a_file_of_overrides(tmp_path, capsys):
+def test_config_cli_prints_the_resolved_config_of_a_valid_file(tmp_path, capsys):
     from fedopd.presets import main
 
     good = tmp_path / "good.toml"
     good.write_text('num-server-rounds = 50\n"train.lr" = 9e-6\n')
     assert main([str(good)]) == 0
     assert '"train.lr": 9e-06' in capsys.readouterr().out
+
+
+def test_config_cli_exits_one_naming_a_bad_value_in_a_file(tmp_path, capsys):
+    from fedopd.presets import main
+
     bad = tmp_path / "bad.toml"
     bad.write_text('"strategy.name" = "fedprox"\n')
     assert main([str(bad)]) == 1
     assert "'strategy.name' = 'fedprox' is invalid" in capsys.readouterr().err
+
+
+def test_config_cli_exits_one_for_a_missing_file(tmp_path, capsys):
+    from fedopd.presets import main
+
     assert main([str(tmp_path / "missing.toml")]) == 1
     assert "does not exist" in capsys.readouterr().err
 
@@ -90,8 +100,14 @@ def test_an_unknown_key_is_named_with_the_closest_valid_key():
 def test_fixed_without_a_multiplier_is_an_error_naming_the_key():
     with pytest.raises(ConfigError, match="'strategy.multiplier' is not set, and 'strategy.name' = 'fixed' needs it"):
         parse_run_config({"strategy.name": "fixed"})
+
+
+def test_fixed_accepts_a_zero_multiplier_and_other_strategies_need_none():
     assert parse_run_config({"strategy.name": "fixed", "strategy.multiplier": 0.0}).strategy.multiplier == 0.0
     assert parse_run_config({"strategy.name": "fedavg"}).strategy.multiplier == -1.0  # not needed there
+
+
+def test_a_negative_multiplier_other_than_unset_is_refused():
     with pytest.raises(ConfigError, match="'strategy.multiplier' = -2.0 is invalid"):
         parse_run_config({"strategy.name": "fixed", "strategy.multiplier": -2.0})
 
@@ -106,11 +122,25 @@ def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
     assert resolved["strategy.name"] == "fixed" and resolved["strategy.multiplier"] == 3.0
     assert resolved["train.mini-batch"] == 8 and resolved["train.micro-batch"] == 4  # the rest: defaults
 
+
+def test_config_cli_names_the_closest_key_for_a_misspelt_override(capsys):
+    from fedopd.presets import main
+
     assert main(["--run-config", "strategy.nme='fedavg'"]) == 1
     assert "did you mean 'strategy.name'" in capsys.readouterr().err
+
+
+def test_config_cli_applies_the_cross_key_checks_to_overrides(capsys):
+    from fedopd.presets import main
+
     assert main(["-c", "strategy.name='fixed'"]) == 1
     assert "'strategy.multiplier' is not set" in capsys.readouterr().err
-    assert main(["-c", "train.lr=abc"]) == 1  # not TOML: Flower's own message
+
+
+def test_config_cli_passes_on_flowers_own_message_for_an_override_that_is_not_toml(capsys):
+    from fedopd.presets import main
+
+    assert main(["-c", "train.lr=abc"]) == 1
     assert "invalid format" in capsys.readouterr().err
 
 
