@@ -85,6 +85,20 @@ cleanup() {
     sleep 0.1
   done
   for pg in "${PGIDS[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+  # What the runtime started in sessions of its own (the SuperLink's flwr-serverapp, which may still
+  # be writing its last lines) escapes the process groups; it names the work folder on its command line.
+  local sig pid left
+  for sig in TERM KILL; do
+    for _ in $(seq 50); do
+      left=0
+      for pid in $(pgrep -f -- "$WORK" 2>/dev/null || true); do
+        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'local-deployment.sh' && continue  # this script and its subshells
+        left=1; kill "-$sig" "$pid" 2>/dev/null || true
+      done
+      ((left)) || break
+      sleep 0.1
+    done
+  done
   for ns in "${NAMESPACES[@]}"; do ip netns delete "$ns" 2>/dev/null || true; done
   for veth in "${VETHS[@]}"; do ip link delete "$veth" 2>/dev/null || true; done
   [[ -n "${RAY_TMP:-}" ]] && rm -rf "$RAY_TMP"
