@@ -1,9 +1,11 @@
-"""Local on-policy distillation: the exact reverse-KL loss and the client's optimisation loop.
+"""Local on-policy distillation: the exact per-token loss and the client's optimisation loop.
 
-The loss at a response position h is KL(p_θ(·|h) ‖ q(·|h)) over the full vocabulary, from fp32
-logits, averaged over the response tokens of a mini-batch (token mean). It is computed in chunks
-of positions, each under activation checkpointing, so that at most one chunk of fp32
-(positions × vocabulary) intermediates is alive in the forward *and* in the backward pass.
+The loss at a response position h is a divergence D(p_θ(·|h), q(·|h)) over the full vocabulary,
+from fp32 logits, averaged over the response tokens of a mini-batch (token mean). D is
+``train.loss`` (:data:`fedopd.loss.DIVERGENCES`, with β = ``train.loss-beta``): by default the
+paper's reverse KL(p_θ ‖ q). It is computed in chunks of positions, each under activation
+checkpointing, so that at most one chunk of fp32 (positions × vocabulary) intermediates is alive
+in the forward *and* in the backward pass.
 
 The loop is written out nanoGPT-style: one epoch over the round's rollouts, mini-batches of
 ``train.mini-batch`` rollouts (one AdamW step each) accumulated from micro-batches of
@@ -20,9 +22,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# token_reverse_kl, KL(softmax(student) ‖ softmax(teacher)) per position, is re-exported from here.
+from fedopd.loss import DIVERGENCES, Divergence
+from fedopd.loss import reverse_kl as token_reverse_kl
 from fedopd.teacher import TokenBatch, make_batch, make_packed_batch, teacher_hidden
 
 DEFAULT_CHUNK = 1024
@@ -32,11 +36,11 @@ DEFAULT_CHUNK = 1024
 # ---------------------------------------------------------------------------------------------
 
 
-def token_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(student) ‖ softmax(teacher)) per position, (..., V) -> (...), fp32."""
-    s = F.log_softmax(student_logits.float(), dim=-1)
-    t = F.log_softmax(teacher_logits.float(), dim=-1)
-    return (s.exp() * (s - t)).sum(-1)
+def training_divergence(settings) -> tuple[Divergence, float]:
+    """The per-token divergence ``train.loss`` and its β ``train.loss-beta`` of a :class:`TrainSettings`."""
+    if settings.loss not in DIVERGENCES:
+        raise ValueError(f"train.loss = {settings.loss!r} is not one of {', '.join(map(repr, DIVERGENCES))}")
+    return DIVERGENCES[settings.loss], settings.loss_beta
 
 
 def _chunked_sum(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], chunk_size: int) -> torch.Tensor:
@@ -52,6 +56,33 @@ def _chunked_sum(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor
     return total
 
 
+def divergence_mean(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    divergence: Divergence = token_reverse_kl,
+    beta: float = 0.5,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Token mean over ``mask == 1`` of ``divergence(student, teacher, beta)``.
+
+    Shapes (B, T, V), (B, T, V), (B, T). Returns a scalar; 0 when the mask is empty.
+    """
+    if student_logits.shape != teacher_logits.shape or student_logits.shape[:-1] != mask.shape:
+        name = getattr(divergence, "__name__", "divergence")
+        raise ValueError(
+            f"{name}: shapes {tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}, {tuple(mask.shape)}"
+        )
+    v = student_logits.shape[-1]
+    m = mask.reshape(-1).to(torch.float32)
+
+    def chunk_loss(s, t, w):
+        return (divergence(s, t, beta) * w).sum()
+
+    total = _chunked_sum(chunk_loss, [student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), m], chunk_size)
+    return total / m.sum().clamp_min(1.0)
+
+
 def reverse_kl(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -62,18 +93,30 @@ def reverse_kl(
 
     Shapes (B, T, V), (B, T, V), (B, T). Returns a scalar; 0 when the mask is empty.
     """
-    if student_logits.shape != teacher_logits.shape or student_logits.shape[:-1] != mask.shape:
-        raise ValueError(
-            f"reverse_kl: shapes {tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}, {tuple(mask.shape)}"
-        )
-    v = student_logits.shape[-1]
-    m = mask.reshape(-1).to(torch.float32)
+    return divergence_mean(student_logits, teacher_logits, mask, token_reverse_kl, chunk_size=chunk_size)
 
-    def chunk_loss(s, t, w):
-        return (token_reverse_kl(s, t) * w).sum()
 
-    total = _chunked_sum(chunk_loss, [student_logits.reshape(-1, v), teacher_logits.reshape(-1, v), m], chunk_size)
-    return total / m.sum().clamp_min(1.0)
+def divergence_sum_from_hidden(
+    student_hidden: torch.Tensor,
+    student_head: Callable[[torch.Tensor], torch.Tensor],
+    teacher_hidden: torch.Tensor,
+    teacher_head: Callable[[torch.Tensor], torch.Tensor],
+    divergence: Divergence = token_reverse_kl,
+    beta: float = 0.5,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Σ over N positions of ``divergence(student logits, teacher logits, beta)``, from packed
+    hidden states (N, H_s) and (N, H_t).
+
+    The heads run inside each checkpointed chunk, so memory is O(N·H + chunk·V), never O(N·V).
+    """
+    if student_hidden.shape[0] != teacher_hidden.shape[0]:
+        raise ValueError(f"{student_hidden.shape[0]} student positions vs {teacher_hidden.shape[0]} teacher positions")
+
+    def chunk_loss(hs, ht):
+        return divergence(student_head(hs), teacher_head(ht), beta).sum()
+
+    return _chunked_sum(chunk_loss, [student_hidden, teacher_hidden], chunk_size)
 
 
 def reverse_kl_sum_from_hidden(
@@ -83,17 +126,10 @@ def reverse_kl_sum_from_hidden(
     teacher_head: Callable[[torch.Tensor], torch.Tensor],
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
-    """Σ over N positions of the reverse KL, from packed hidden states (N, H_s) and (N, H_t).
-
-    The heads run inside each checkpointed chunk, so memory is O(N·H + chunk·V), never O(N·V).
-    """
-    if student_hidden.shape[0] != teacher_hidden.shape[0]:
-        raise ValueError(f"{student_hidden.shape[0]} student positions vs {teacher_hidden.shape[0]} teacher positions")
-
-    def chunk_loss(hs, ht):
-        return token_reverse_kl(student_head(hs), teacher_head(ht)).sum()
-
-    return _chunked_sum(chunk_loss, [student_hidden, teacher_hidden], chunk_size)
+    """Σ over N positions of the reverse KL: :func:`divergence_sum_from_hidden` with KL(p_θ ‖ q)."""
+    return divergence_sum_from_hidden(
+        student_hidden, student_head, teacher_hidden, teacher_head, token_reverse_kl, chunk_size=chunk_size
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,18 +209,26 @@ def micro_batches(num_rollouts: int, mini_batch: int, micro_batch: int) -> list[
     return [[m[i : i + micro_batch] for i in range(0, len(m), micro_batch)] for m in minis]
 
 
-def minibatch_gradient(student, teacher, micro: Sequence[TokenBatch], hidden: Sequence[torch.Tensor], chunk: int) -> float:
+def minibatch_gradient(
+    student,
+    teacher,
+    micro: Sequence[TokenBatch],
+    hidden: Sequence[torch.Tensor],
+    chunk: int,
+    divergence: Divergence = token_reverse_kl,
+    beta: float = 0.5,
+) -> float:
     """Accumulate into ``.grad`` the gradient of one mini-batch's loss and return the loss.
 
-    The loss is the token mean over the *whole* mini-batch: every micro-batch's summed reverse
-    KL is divided by the mini-batch's token count, so micro-batches of unequal length weigh by
-    their tokens, not equally.
+    The loss is the token mean over the *whole* mini-batch: every micro-batch's summed
+    divergence (``train.loss``, default the reverse KL) is divided by the mini-batch's token
+    count, so micro-batches of unequal length weigh by their tokens, not equally.
     """
     tokens = max(sum(b.num_tokens for b in micro), 1)
     loss_sum = 0.0
     for b, th in zip(micro, hidden):
         hs = b.hidden(student)
-        loss = reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk) / tokens
+        loss = divergence_sum_from_hidden(hs, student.logits, th, teacher.logits, divergence, beta, chunk) / tokens
         loss.backward()
         loss_sum += loss.item()
     return loss_sum
@@ -200,14 +244,27 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.P
 
 
 @torch.no_grad()
-def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Sequence[torch.Tensor], chunk: int) -> float:
-    """Token mean of the reverse KL over all batches (no gradients)."""
+def mean_divergence(
+    student,
+    teacher,
+    batches: Sequence[TokenBatch],
+    hidden: Sequence[torch.Tensor],
+    chunk: int,
+    divergence: Divergence = token_reverse_kl,
+    beta: float = 0.5,
+) -> float:
+    """Token mean of ``divergence`` over all batches (no gradients)."""
     total, tokens = 0.0, 0
     for batch, th in zip(batches, hidden):
         hs = batch.hidden(student)
-        total += float(reverse_kl_sum_from_hidden(hs, student.logits, th, teacher.logits, chunk))
+        total += float(divergence_sum_from_hidden(hs, student.logits, th, teacher.logits, divergence, beta, chunk))
         tokens += batch.num_tokens
     return total / max(tokens, 1)
+
+
+def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Sequence[torch.Tensor], chunk: int) -> float:
+    """Token mean of the reverse KL over all batches (no gradients)."""
+    return mean_divergence(student, teacher, batches, hidden, chunk, token_reverse_kl)
 
 
 # A packed row (attention_mask None, position ids restarting at 0 per sequence) keeps its
@@ -310,14 +367,19 @@ def local_opd(
     ``hidden``: the micro-batches (:func:`make_micro_batches`) and the teacher's hidden states
     on them (:func:`teacher_pass`) when the caller already has them; else they are made here.
 
+    The loss is the token mean of ``settings.loss`` (β = ``settings.loss_beta``), by default
+    the reverse KL.
+
     Metrics come from the passes the epoch makes anyway: ``loss`` (mean mini-batch loss),
     ``loss_first`` (the first mini-batch's, at θ_t) and ``loss_last``, ``steps``, ``tokens``,
     ``lr_first`` / ``lr_last``, ``teacher_s``, ``train_s``. With ``settings.exact_kl`` also
     ``kl_before`` / ``kl_after``: the token-mean reverse KL on all the round's rollouts with θ_t
-    and with the result (two extra student passes over the data; off by default).
+    and with the result, whatever ``settings.loss`` (two extra student passes over the data; off
+    by default).
     """
     if len(rollouts) == 0:
         raise ValueError("local_opd: no rollouts to train on")
+    divergence, beta = training_divergence(settings)
     plan = micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch)
     if batches is None:
         pad = student.tokenizer.pad_token_id or 0
@@ -344,7 +406,8 @@ def local_opd(
     for step, mini in enumerate(plan):
         lr = cosine_lr(settings.lr, step_offset + step, total_steps)
         keys = [tuple(idx) for idx in mini]
-        losses.append(minibatch_gradient(student, teacher, [batches[k] for k in keys], [hidden[k] for k in keys], chunk))
+        micro, micro_hidden = [batches[k] for k in keys], [hidden[k] for k in keys]
+        losses.append(minibatch_gradient(student, teacher, micro, micro_hidden, chunk, divergence, beta))
         optimizer_step(optimizer, params, lr, settings.grad_clip)
         rates.append(lr)
     student.model.eval()
