@@ -25,7 +25,8 @@ from eval.metrics import avg_at_k, cap_hit_rate, macro_average, pass_at_k
 from fedopd.config import LoraSettings
 from fedopd.data import render_prompt
 from fedopd.grading import is_correct
-from fedopd.models import ADAPTER_CONFIG, ModelLoadError, attach_lora, load_adapter, load_causal_lm
+from fedopd.lora import ADAPTER_CONFIG, load_adapter
+from fedopd.models import ModelLoadError, attach_lora, load_causal_lm
 from fedopd.rollout import SamplingParams, make_rollout_engine
 
 METRICS = ("avg_at_k", "pass_at_k", "cap_hit")

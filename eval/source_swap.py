@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="default: RUN/source-swap-T")
     args = p.parse_args(argv)
 
-    from fedopd.models import load_adapter
+    from fedopd.lora import load_adapter
     from server_app.run_folder import read_rounds, read_run_config
 
     try:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from client_app.worker import setup_heldout
     from fedopd.lora import apply_increment
-    from fedopd.models import save_adapter
+    from fedopd.lora import save_adapter
     from fedopd.heldout import heldout_correctness
     from fedopd.round import derive_seed
 

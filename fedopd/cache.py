@@ -14,13 +14,14 @@ The first half of this module is pure tensor math; :func:`build_scoring_cache` a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from fedopd.lora import apply_increment
+from fedopd.lora import apply_increment, name_mismatch
 
 # ---------------------------------------------------------------------------------------------
 # Pure math
@@ -230,7 +231,7 @@ def score_candidates(
     """Ĵ_i(a) and K̂_i(a) for each multiplier a, the student's LoRA at θ_t + aΔ.
 
     ``batched`` (default): the candidates are scored together, their cached sequences stacked on
-    the batch dimension with each candidate's factors (:meth:`fedopd.models.CausalLM.stacked_factors`),
+    the batch dimension with each candidate's factors (:func:`stacked_factors`),
     ``candidates_per_pass`` candidates per forward pass (None: all). The LM head runs only at the
     cached positions, and softmax, S and the tail are computed on the model's device. Otherwise
     one forward per candidate through the trained adapter (the reference path; it leaves that
@@ -278,7 +279,57 @@ def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.nda
         hidden = model.hidden_states(ids, att)
         return model.logits(hidden[pos[:, 0], pos[:, 1]])
     rows, c = ids.shape[0], len(stacked)
-    with model.stacked_factors(stacked):
+    with stacked_factors(model, stacked):
         hidden = model.hidden_states(ids.repeat(c, 1), att.repeat(c, 1))
     seq = torch.cat([pos[:, 0] + i * rows for i in range(c)])
     return model.logits(hidden[seq, pos[:, 1].repeat(c)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates stacked on the batch dimension
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def stacked_factors(lm, factor_sets: Sequence[Mapping[str, np.ndarray]]) -> Iterator[None]:
+    """Inside this context, a forward of ``lm`` over C·R rows runs rows [c·R, (c+1)·R) under ``factor_sets[c]``.
+
+    Candidate factors stacked on the batch dimension: every LoRA layer computes its base
+    projection once for all C·R rows and its low-rank term as two batched matmuls over the C
+    factor sets, (C, R·T, in) @ A_cᵀ @ B_cᵀ · scaling, exactly PEFT's arithmetic per set
+    (input cast to the factors' fp32, sum rounded to the layer's dtype). Inference only.
+    """
+    params = lm.factor_parameters()
+    for i, factors in enumerate(factor_sets):
+        problem = name_mismatch(list(params), list(factors))
+        if problem:
+            raise ValueError(f"factor set {i} does not match the adapter of '{lm.name}': {problem}")
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for name, param in params.items():
+        head, _, _ = name.rpartition(".")  # ...q_proj.lora_A
+        path, _, kind = head.rpartition(".")
+        stacked = np.stack([np.asarray(f[name], dtype=np.float32) for f in factor_sets])
+        modules.setdefault(path, {})[kind] = torch.from_numpy(stacked).to(param.device, param.dtype)
+    patched = []
+    try:
+        for path, factors in modules.items():
+            module = lm.model.get_submodule(path)
+            module.forward = _stacked_lora_forward(module, factors["lora_A"], factors["lora_B"], module.scaling["default"])
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _stacked_lora_forward(module, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float):
+    """A LoRA Linear's forward with C factor sets (C, r, in) and (C, out, r) over C row blocks."""
+    a_t, b_t = lora_a.transpose(1, 2).contiguous(), lora_b.transpose(1, 2).contiguous()  # (C, in, r), (C, r, out)
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = module.base_layer(x, *args, **kwargs)
+        xs = x.to(a_t.dtype).reshape(a_t.shape[0], -1, x.shape[-1])
+        low_rank = torch.bmm(torch.bmm(xs, a_t), b_t) * scaling
+        return (result + low_rank.reshape(result.shape)).to(result.dtype)
+
+    return forward

@@ -1,4 +1,4 @@
-"""LoRA factor arithmetic in the coordinates that cross the wire.
+"""LoRA factor arithmetic in the coordinates that cross the wire, and PEFT adapter folders.
 
 θ is a mapping from factor name to fp32 numpy array: every LoRA A and B factor of the student,
 named as in PEFT's saved state dict (:meth:`fedopd.models.CausalLM.lora_names`) and as the keys of
@@ -9,9 +9,13 @@ factors share a shape). Aggregation and server scaling act on these factors dire
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 Named = dict[str, np.ndarray]
 
@@ -64,3 +68,38 @@ def apply_increment(theta: Mapping[str, np.ndarray], delta: Mapping[str, np.ndar
     _require_same_names(theta, delta)
     a = np.float32(multiplier)
     return {k: np.asarray(t, dtype=np.float32) + a * np.asarray(delta[k], dtype=np.float32) for k, t in theta.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter folders (PEFT format)
+# ---------------------------------------------------------------------------------------------
+
+
+def save_adapter(path: str | Path, arrays: Mapping[str, np.ndarray], config) -> Path:
+    """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Needs no model: the server writes the global adapter from the named arrays it aggregated.
+    ``config`` is the ``peft.LoraConfig`` (:func:`lora_config`).
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in arrays.items()}, str(path / ADAPTER_WEIGHTS))
+    config.save_pretrained(str(path))
+    return path
+
+
+def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Read a PEFT adapter folder into named fp32 arrays, in ``names`` order when given."""
+    from safetensors.numpy import load_file
+
+    weights = Path(path) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"adapter folder '{path}' has no {ADAPTER_WEIGHTS}")
+    tensors = load_file(str(weights))
+    names = list(names) if names is not None else list(tensors)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"adapter '{path}' lacks {len(missing)} factors, e.g. '{missing[0]}'")
+    return {n: tensors[n].astype(np.float32) for n in names}

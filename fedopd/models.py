@@ -1,9 +1,10 @@
-"""Loading the student and the teacher, the student's LoRA adapter, and adapter folders.
+"""Loading the student and the teacher, and the student's LoRA adapter.
 
 Both models load with ``transformers`` from a hub id or a local folder (the built-in tiny models of
 :mod:`fedopd.tiny` are local folders too, so they take exactly this path). Computation runs in
 bf16 on GPU and fp32 on CPU; the LoRA factors are fp32 in both cases (PEFT upcasts adapters), and
-they cross the wire as fp32 numpy arrays keyed by PEFT's factor names (:mod:`fedopd.lora`).
+they cross the wire as fp32 numpy arrays keyed by PEFT's factor names (:mod:`fedopd.lora`, which
+also reads and writes adapter folders).
 
 :class:`CausalLM` exposes the two halves of a forward pass separately, final hidden states and the
 LM head, so that callers can evaluate the vocabulary projection only where it is needed (cached
@@ -15,25 +16,22 @@ from __future__ import annotations
 import importlib.util
 import re
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from fedopd.config import LoraSettings
 from fedopd.errors import ModelLoadError  # re-exported: callers import it from here
-from fedopd.lora import name_mismatch
+from fedopd.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, name_mismatch, save_adapter  # noqa: F401 - re-exported
 from fedopd.loss import fp32_head  # re-exported: callers import it from here
 
 # PEFT under transformers 5 calls a renamed property on every forward; the warning is upstream's.
 warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,37 +135,6 @@ class CausalLM:
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
 
-    @contextmanager
-    def stacked_factors(self, factor_sets: Sequence[Mapping[str, np.ndarray]]) -> Iterator[None]:
-        """Inside this context, a forward over C·R rows runs rows [c·R, (c+1)·R) under ``factor_sets[c]``.
-
-        Candidate factors stacked on the batch dimension: every LoRA layer computes its base
-        projection once for all C·R rows and its low-rank term as two batched matmuls over the C
-        factor sets, (C, R·T, in) @ A_cᵀ @ B_cᵀ · scaling, exactly PEFT's arithmetic per set
-        (input cast to the factors' fp32, sum rounded to the layer's dtype). Inference only.
-        """
-        params = self.factor_parameters()
-        for i, factors in enumerate(factor_sets):
-            problem = name_mismatch(list(params), list(factors))
-            if problem:
-                raise ValueError(f"factor set {i} does not match the adapter of '{self.name}': {problem}")
-        modules: dict[str, dict[str, torch.Tensor]] = {}
-        for name, param in params.items():
-            head, _, _ = name.rpartition(".")  # ...q_proj.lora_A
-            path, _, kind = head.rpartition(".")
-            stacked = np.stack([np.asarray(f[name], dtype=np.float32) for f in factor_sets])
-            modules.setdefault(path, {})[kind] = torch.from_numpy(stacked).to(param.device, param.dtype)
-        patched = []
-        try:
-            for path, factors in modules.items():
-                module = self.model.get_submodule(path)
-                module.forward = _stacked_lora_forward(module, factors["lora_A"], factors["lora_B"], module.scaling["default"])
-                patched.append(module)
-            yield
-        finally:
-            for module in patched:
-                del module.forward
-
     @property
     def attn_implementation(self) -> str:
         return str(getattr(self.causal_lm.config, "_attn_implementation", "sdpa"))
@@ -254,19 +221,6 @@ class CausalLM:
         return self.model.peft_config["default"]
 
 
-def _stacked_lora_forward(module, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float):
-    """A LoRA Linear's forward with C factor sets (C, r, in) and (C, out, r) over C row blocks."""
-    a_t, b_t = lora_a.transpose(1, 2).contiguous(), lora_b.transpose(1, 2).contiguous()  # (C, in, r), (C, r, out)
-
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = module.base_layer(x, *args, **kwargs)
-        xs = x.to(a_t.dtype).reshape(a_t.shape[0], -1, x.shape[-1])
-        low_rank = torch.bmm(torch.bmm(xs, a_t), b_t) * scaling
-        return (result + low_rank.reshape(result.shape)).to(result.dtype)
-
-    return forward
-
-
 def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | None = None) -> CausalLM:
     """Load a frozen causal LM and its tokenizer from a hub id, a local folder or a builtin name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -345,38 +299,3 @@ def load_pair(
             )
         student.logit_width = teacher.logit_width = width
     return attach_lora(student, lora, seed), teacher
-
-
-# ---------------------------------------------------------------------------------------------
-# Adapter folders (PEFT format)
-# ---------------------------------------------------------------------------------------------
-
-
-def save_adapter(path: str | Path, arrays: Mapping[str, np.ndarray], config) -> Path:
-    """Write a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
-
-    Needs no model: the server writes the global adapter from the named arrays it aggregated.
-    ``config`` is the ``peft.LoraConfig`` (:func:`lora_config`).
-    """
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in arrays.items()}, str(path / ADAPTER_WEIGHTS))
-    config.save_pretrained(str(path))
-    return path
-
-
-def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-    """Read a PEFT adapter folder into named fp32 arrays, in ``names`` order when given."""
-    from safetensors.numpy import load_file
-
-    weights = Path(path) / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"adapter folder '{path}' has no {ADAPTER_WEIGHTS}")
-    tensors = load_file(str(weights))
-    names = list(names) if names is not None else list(tensors)
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise ValueError(f"adapter '{path}' lacks {len(missing)} factors, e.g. '{missing[0]}'")
-    return {n: tensors[n].astype(np.float32) for n in names}

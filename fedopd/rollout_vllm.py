@@ -47,7 +47,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fedopd.lora import name_mismatch
-from fedopd.models import save_adapter
+from fedopd.lora import save_adapter
 from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks

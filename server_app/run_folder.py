@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fedopd.config import RunConfig
-from fedopd.models import save_adapter
+from fedopd.lora import save_adapter
 
 
 def _jsonable(value: Any) -> Any:
