@@ -15,9 +15,9 @@ models live, and wraps the result in a reply. Where that is depends on the node 
 Per-client state (θ_t, the scoring cache, the optimizer state) lives in ``context.state`` in
 both modes: per client and per run, never in the worker.
 
-Local (``strategy.name = 'local'``) needs nothing special here: the server sends each client its
-own adapter. Centralized: the one learner the server trains holds every partition's prompts and
-learns from the clients' combined rollouts per round (:meth:`RunConfig.learner_budget`).
+What a client does differently for a strategy (build a scoring cache, learn alone as Local, learn
+from the pooled prompts as Centralized) comes from the train message's config, never from the
+strategy's name (:mod:`client_app.handlers`).
 """
 
 from __future__ import annotations
@@ -53,19 +53,18 @@ def worker_mode(node_config) -> str:
     return mode
 
 
-def handle(kind: str, msg: Message, context: Context, cfg: RunConfig | None = None) -> Message:
+def handle(kind: str, msg: Message, context: Context) -> Message:
     """Run the ``kind`` handler (``train``, ``score``, ``evaluate``) for ``msg`` and reply."""
     pid, num = _partition(context)
     if worker_mode(context.node_config) == "resident":
         from client_app.resident import call_resident
 
-        run_config = cfg.to_run_config() if cfg is not None else dict(context.run_config)
-        content, state = call_resident(kind, msg.content, context.state, pid, num, run_config, context.node_config)
+        content, state = call_resident(kind, msg.content, context.state, pid, num, dict(context.run_config), context.node_config)
         _replace_state(context.state, state)
     else:
         from client_app.handlers import HANDLERS
 
-        cfg = cfg if cfg is not None else RunConfig.from_run_config(context.run_config)
+        cfg = RunConfig.from_run_config(context.run_config)
         content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config)
     return Message(content=content, reply_to=msg)
 
@@ -91,15 +90,3 @@ def score(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     return handle("evaluate", msg, context)
-
-
-def handle_train(msg: Message, context: Context, cfg: RunConfig) -> Message:
-    return handle("train", msg, context, cfg)
-
-
-def handle_score(msg: Message, context: Context, cfg: RunConfig) -> Message:
-    return handle("score", msg, context, cfg)
-
-
-def handle_evaluate(msg: Message, context: Context, cfg: RunConfig) -> Message:
-    return handle("evaluate", msg, context, cfg)

@@ -8,6 +8,8 @@ the returned content in a reply :class:`~flwr.app.Message`.
 
 train:     θ_t in → rollouts, teacher, scoring cache (FedTOPS), local OPD → θ_{t,i}^+ and metrics
            out. θ_t, the scoring cache and the optimizer state stay in the client's ``state``.
+           What the strategy needs of the client comes with the message's config, never as
+           its name (:class:`TrainRequest`): ``learner`` and ``build-scoring-cache``.
 score:     Δ_t and the candidates in → Ĵ_i(a), K̂_i(a) out. Only scalars leave the client.
 evaluate:  an adapter in → greedy accuracy, Avg@k and Pass@k on the client's held-out prompts out.
 """
@@ -32,25 +34,54 @@ from fedopd.procinfo import rss_mb
 from fedopd.round import derive_seed, evaluate_heldout, score_round, train_round
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
+LEARNERS = ("federated", "local", "centralized")  # the train config's "learner"
 
 
-def learner_seed(cfg: RunConfig, partition_id: int, num_partitions: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class TrainRequest:
+    """What a train message's config asks of the client (the strategy's ``configure_train``).
+
+    ``learner``: ``"federated"`` (its own partition's prompts), ``"local"`` (the same, and it
+    keeps its own adapter: a client without state restores its saved one), ``"centralized"``
+    (one learner on the pooled prompts of every partition, with their combined rollouts per
+    round). ``build_scoring_cache``: build the scoring cache for a score query (FedTOPS).
+    A message without these keys (one made by hand) asks for a federated learner with a cache.
+    """
+
+    server_round: int
+    learner: str = "federated"
+    build_scoring_cache: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> TrainRequest:
+        learner = str(config.get("learner", cls.learner))
+        if learner not in LEARNERS:
+            raise ValueError(f"train message: 'learner' = {learner!r}; allowed: {', '.join(map(repr, LEARNERS))}")
+        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)))
+
+    @property
+    def pooled(self) -> bool:
+        return self.learner == "centralized"
+
+
+def learner_seed(seed: int, partition_id: int, num_partitions: int, *, pooled: bool = False) -> int:
     """A client's seed; the Centralized learner, which pools every partition, is one more
     partition (``num_partitions``), whichever node runs it."""
-    return derive_seed(cfg.seed, num_partitions if cfg.strategy.name == "centralized" else partition_id)
+    return derive_seed(seed, num_partitions if pooled else partition_id)
 
 
 def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
-    models, prompts = worker.setup(cfg, pid, num)
-    per_round, steps_per_round, total_steps = cfg.learner_budget(num)
     config = content["config"]
-    server_round = int(config["server-round"])
+    request = TrainRequest.from_config(config)
+    server_round = request.server_round
+    models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled)
+    per_round, steps_per_round, total_steps = cfg.learner_budget(num if request.pooled else 1)
     theta = from_record(content["arrays"])
     # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
     # may number differently: its state is the learner's, not a partition's.
-    folder = client_state_dir(config, node_config or {}, "central" if cfg.strategy.name == "centralized" else pid)
+    folder = client_state_dir(config, node_config or {}, "central" if request.pooled else pid)
     persistent = cfg.train.optimizer_state == "persistent"
-    local = cfg.strategy.name == "local"
+    local = request.learner == "local"
 
     if META not in state and server_round > 1 and (persistent or local):
         theta = restore_saved_state(state, folder, config, server_round, pid, persistent=persistent, local=local, theta=theta)
@@ -64,12 +95,12 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         cache=cfg.cache,
         train=cfg.train,
         server_round=server_round,
-        seed=learner_seed(cfg, pid, num),
+        seed=learner_seed(cfg.seed, pid, num, pooled=request.pooled),
         step_offset=(server_round - 1) * steps_per_round,
         total_steps=total_steps,
         optimizer_state=optimizer_state,
         teacher_batch=cfg.model.teacher_batch,
-        build_cache=cfg.strategy.name == "fedtops",
+        build_cache=request.build_scoring_cache,
         progress=lambda text: log(INFO, "client %d %s", pid, text),
     )
 

@@ -94,16 +94,17 @@ def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int,
     return _PROMPTS[key]
 
 
-def setup(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[ClientModels, tuple[Prompt, ...]]:
+def setup(
+    cfg: RunConfig, partition_id: int, num_partitions: int, *, pooled: bool = False
+) -> tuple[ClientModels, tuple[Prompt, ...]]:
     """The worker's models and this client's tokenized training prompts, loaded once per process.
 
-    Centralized (``strategy.name = 'centralized'``): the one learner holds the pooled prompts of
-    every partition, in partition order.
+    ``pooled`` (the Centralized learner, ``learner = 'centralized'`` in its train message): the
+    prompts of every partition, in partition order.
     """
     models = _models(cfg)
-    if cfg.strategy.name == "centralized":
-        pooled = sum((_encoded(cfg, models, "train", i, num_partitions) for i in range(num_partitions)), ())
-        return models, pooled
+    if pooled:
+        return models, sum((_encoded(cfg, models, "train", i, num_partitions) for i in range(num_partitions)), ())
     return models, _encoded(cfg, models, "train", partition_id, num_partitions)
 
 

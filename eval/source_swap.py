@@ -68,7 +68,7 @@ def train_receiver(cfg: RunConfig, theta: dict, source: dict, start_round: int, 
 
     models = setup(cfg, 0, num_clients)[0]  # the worker's models and prompt cache, as the ClientApp uses them
     prompts = [setup(cfg, i, num_clients)[1] for i in range(num_clients)]
-    per_round, steps, total = cfg.learner_budget(num_clients)
+    per_round, steps, total = cfg.learner_budget()
     total = max(total, (start_round + rounds) * steps)
     optimizer = [None] * num_clients
     for r in range(start_round + 1, start_round + rounds + 1):

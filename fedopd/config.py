@@ -28,7 +28,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 PACKING = ("auto", "packed", "padded")
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
-STRATEGIES = ("fedavg", "fixed", "fedtops", "local", "centralized")
 
 
 # Defaults are the sandbox preset, identical to [tool.flwr.app.config] in pyproject.toml (a test
@@ -177,17 +176,17 @@ class RunConfig:
         """Optimizer steps one client takes over the whole run (the cosine schedule's length)."""
         return self.learner_budget(1)[2]
 
-    def learner_budget(self, num_partitions: int) -> tuple[int, int, int]:
-        """(rollouts per round, optimizer steps per round, steps over the run) of one learner.
+    def learner_budget(self, pooled_partitions: int = 1) -> tuple[int, int, int]:
+        """(rollouts per round, optimizer steps per round, steps over the run) of one learner on
+        the prompts of ``pooled_partitions`` partitions.
 
-        A client learns from its own ``rollout.per-round`` rollouts. The Centralized reference
-        (``strategy.name = 'centralized'``) is one learner on the pooled prompts of all
-        ``num_partitions`` clients with the same total rollouts per round and the same
-        mini-batch, so its sequential depth is the clients' combined steps (the paper: 3 x 32
-        rollouts per round, 600 consecutive steps over 50 rounds).
+        A client learns from its own ``rollout.per-round`` rollouts (1). The Centralized reference
+        is one learner on the pooled prompts of all clients (its train message says so) with the
+        same total rollouts per round and the same mini-batch, so its sequential depth is the
+        clients' combined steps (the paper: 3 x 32 rollouts per round, 600 consecutive steps over
+        50 rounds).
         """
-        share = num_partitions if self.strategy.name == "centralized" else 1
-        per_round = self.rollout.per_round * share
+        per_round = self.rollout.per_round * pooled_partitions
         steps = math.ceil(per_round / self.train.mini_batch)
         return per_round, steps, steps * self.num_server_rounds
 
@@ -287,7 +286,7 @@ _key("train.packing", "train.packing", _choice(PACKING))
 _key("train.exact-kl", "train.exact_kl", _bool())
 _key("train.loss", "train.loss", _registered("fedopd.loss", "DIVERGENCES"))
 _key("train.loss-beta", "train.loss_beta", _float(0.0, strict=False, hi=1.0))
-_key("strategy.name", "strategy.name", _choice(STRATEGIES))
+_key("strategy.name", "strategy.name", _registered("fedtops_strategy.factory", "STRATEGIES"))
 _key("strategy.multiplier", "strategy.multiplier",
      (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER),
       "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"))

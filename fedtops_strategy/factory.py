@@ -1,44 +1,65 @@
-"""One factory from the validated run config to a strategy."""
+"""Strategies by name: ``strategy.name`` looks its builder up in :data:`STRATEGIES`.
+
+A builder turns the validated ``strategy.*`` settings and the sampling arguments that every
+strategy shares (``common``: Flower's ``fraction_train``, ``min_train_nodes``, ...) into a
+Flower strategy built on :class:`~fedtops_strategy.screening.ReplyScreening`. A new variant is one
+builder registered under a new name; what its clients must do differently travels in its train
+messages' config (``learner``, ``build-scoring-cache``), never as its name::
+
+    from fedtops_strategy.factory import register_strategy
+
+    register_strategy("fedavgm-half", lambda cfg, common: FixedMultiplier(0.5, **common))
+
+``fedopd.config`` validates ``strategy.name`` against the names registered here.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
+
+from flwr.serverapp.strategy import Strategy
 
 from fedopd.config import StrategyConfig
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
+StrategyBuilder = Callable[[StrategyConfig, dict[str, Any]], Strategy]
 
-def make_strategy(cfg: StrategyConfig, *, num_clients: int, score_timeout: float = 600.0):
-    """The strategy named by ``strategy.name``: all ``num_clients`` clients train every round
+STRATEGIES: dict[str, StrategyBuilder] = {
+    "fedavg": lambda cfg, common: LoRAFedAvg(**common),
+    "fixed": lambda cfg, common: FixedMultiplier(cfg.multiplier, **common),
+    "fedtops": lambda cfg, common: FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, **common),
+    "local": lambda cfg, common: LocalTraining(**common),
+    "centralized": lambda cfg, common: Centralized(**common),
+}
+
+
+def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
+    """Make ``strategy.name = name`` build ``builder(cfg, common)``; returns ``builder``."""
+    STRATEGIES[name] = builder
+    return builder
+
+
+def make_strategy(cfg: StrategyConfig, *, num_clients: int) -> Strategy:
+    """The strategy registered as ``strategy.name``: all ``num_clients`` clients train every round
     (Centralized: one learner, with all of them connected)."""
-    # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design
-    # (held-out evaluation is the app's own phase), so the warning is not passed on.
+    if cfg.name not in STRATEGIES:
+        allowed = ", ".join(repr(n) for n in STRATEGIES)
+        raise ValueError(f"strategy.name = {cfg.name!r}; allowed: {allowed}")
+    common = dict(
+        fraction_train=1.0,
+        fraction_evaluate=0.0,  # no federated evaluation round: held-out evaluation is the app's own phase
+        min_train_nodes=num_clients,
+        min_available_nodes=num_clients,
+    )
+    # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design,
+    # so the warning is not passed on.
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
     flwr_logger.setLevel(logging.ERROR)
     try:
-        return _make(cfg, num_clients=num_clients, score_timeout=score_timeout)
+        return STRATEGIES[cfg.name](cfg, common)
     finally:
         flwr_logger.setLevel(level)
-
-
-def _make(cfg: StrategyConfig, *, num_clients: int, score_timeout: float):
-    common = dict(
-        fraction_train=1.0,
-        fraction_evaluate=0.0,  # no federated evaluation round: scoring is part of training
-        min_train_nodes=num_clients,
-        min_available_nodes=num_clients,
-    )
-    if cfg.name == "fedavg":
-        return LoRAFedAvg(**common)
-    if cfg.name == "fixed":
-        return FixedMultiplier(cfg.multiplier, **common)
-    if cfg.name == "fedtops":
-        return FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, score_timeout=score_timeout, **common)
-    if cfg.name == "local":
-        return LocalTraining(**common)
-    if cfg.name == "centralized":
-        return Centralized(**common)
-    raise ValueError(f"strategy.name = {cfg.name!r}; allowed: 'fedavg', 'fixed', 'fedtops', 'local', 'centralized'")

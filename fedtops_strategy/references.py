@@ -6,9 +6,10 @@
   about their adapter (as in deployment, where a fresh ClientApp serves each message). The run
   reports the mean over clients of their own adapters' scores ("Local mean").
 * :class:`Centralized` (``strategy.name = 'centralized'``): one learner on the pooled prompts of
-  all clients, with the clients' combined rollouts per round and the same mini-batch (the
-  ClientApp side: :meth:`fedopd.config.RunConfig.learner_budget`). The server trains one node,
-  the one with the smallest node id, and takes its adapter as the global one (a = 1).
+  all clients, with the clients' combined rollouts per round and the same mini-batch (its train
+  messages say ``learner = 'centralized'``; the ClientApp side: ``client_app/handlers.py``). The
+  server trains one node, the one with the smallest node id, and takes its adapter as the global
+  one (a = 1).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LocalTraining(ReplyScreening, FedAvg):
     """Independent Local training: each client keeps its own adapter, nothing is averaged."""
 
     strategy_name = "local"
+    learner = "local"
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -64,6 +66,7 @@ class Centralized(ReplyScreening, FedAvg):
     """One learner on the pooled prompts; its adapter becomes the global one."""
 
     strategy_name = "centralized"
+    learner = "centralized"
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         return sorted(messages, key=lambda m: m.metadata.dst_node_id)[:1]

@@ -4,6 +4,15 @@ A train reply joins the average only if it carries one ArrayRecord with exactly 
 shapes of θ_t, finite values, and a positive ``num-examples``. Anything else is left out and
 logged, and never reaches the global adapter. Each round leaves a record (``self.records``) that
 the ServerApp writes to ``rounds.jsonl``.
+
+What a client does differently for a strategy travels in the train message's config, never as
+the strategy's name (``client_app/handlers.py`` reads it):
+
+* ``"learner"``: ``"federated"`` (its own prompts, from the adapter it is sent), ``"local"`` (the
+  same, and it keeps its own adapter: a resumed client restores it), ``"centralized"`` (one
+  learner on the pooled prompts of every partition, with their combined rollouts per round);
+* ``"build-scoring-cache"``: build the scoring cache before the local epoch (FedTOPS scores
+  candidates on it).
 """
 
 from __future__ import annotations
@@ -75,22 +84,25 @@ class ReplyScreening:
     """Mixin for a Flower ``FedAvg`` subclass: screens train replies, records rounds.
 
     Must come before the Flower strategy in the bases. Subclasses set :attr:`strategy_name`
-    and may fill more of ``self.records[server_round]``.
+    (the round record's ``strategy``), :attr:`learner` and :attr:`builds_scoring_cache` (the
+    train config's ``learner`` and ``build-scoring-cache``), and may fill more of
+    ``self.records[server_round]``.
     """
 
     strategy_name = "fedavg"
+    learner = "federated"
+    builds_scoring_cache = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.records: dict[int, dict[str, Any]] = {}
         self._theta: ArrayRecord | None = None
-        self._grid = None
         self._sent: list[Message] = []
         self.round_started = 0.0
         self.first_round: int | None = None  # the first round this strategy configured
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
-        self._theta, self._grid = arrays, grid
+        self._theta = arrays
         self.round_started = time.perf_counter()
         if self.first_round is None:
             # The first round this server runs (round 1, or the first round of a resumed run)
@@ -100,6 +112,8 @@ class ReplyScreening:
             # From then on a round trains the clients that are connected, so a lost client
             # never stalls the run.
             self.min_available_nodes = self.min_train_nodes = 1
+        config["learner"] = self.learner
+        config["build-scoring-cache"] = self.builds_scoring_cache
         messages = self.prepare_messages(list(super().configure_train(server_round, arrays, config, grid)), arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
         return messages

@@ -6,12 +6,18 @@ feasible it is the incumbent, replaced, scanning the feasible candidates in thei
 only by one whose teacher score is lower by more than ``score_tol``. If a = 1 is infeasible, the
 feasible candidate with the smallest teacher score wins (the first in order on ties). If nothing
 is feasible the server holds: 0.0, θ_{t+1} = θ_t.
+
+:func:`select_round` is the whole server decision of one round on the clients' score replies:
+the weighted Ĵ, the rule, and the cap at 1 when a client that trained returned no valid scores.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 HOLD = 0.0
 
@@ -60,3 +66,66 @@ def select_multiplier(
         if scores[j] < scores[best] - score_tol:
             best = j
     return float(candidates[best])
+
+
+# ---------------------------------------------------------------------------------------------
+# One round's selection (paper §2 step 5): Ĵ, feasibility, the rule, and the cap at 1
+# ---------------------------------------------------------------------------------------------
+
+FALLBACK = 1.0  # a when no client scored: FedAvg's step
+UNSCORED_CAP = 1.0  # the most a client whose trust constraint is unknown may be moved: FedAvg's step
+
+
+def weighted_teacher_scores(client_teacher_scores: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """Ĵ(a_j) = Σ_i w_i Ĵ_i(a_j) / Σ_i w_i over the clients that scored (w_i: their ``num-examples``).
+
+    In float64, summed over clients then divided once (Flower's ``aggregate_metricrecords``
+    divides the weights first, which rounds differently in the last bit).
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    j = np.asarray(client_teacher_scores, dtype=np.float64)
+    return ((w[:, None] * j).sum(0) / w.sum()).tolist()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the server decided in one round, with what the round record keeps of it."""
+
+    multiplier: float  # a_t, applied: θ_{t+1} = θ_t + a_t Δ_t (0.0: hold)
+    selected: float  # the rule's choice before the cap (FALLBACK when no client scored)
+    teacher_scores: list[float] | None  # Ĵ(a) per candidate; None when no client scored
+    num_feasible: int
+    cap: float | None  # UNSCORED_CAP when a client that trained did not score, else None
+    fallback: bool  # no client scored: a = FALLBACK
+
+    @property
+    def capped(self) -> bool:
+        return self.multiplier < self.selected
+
+
+def select_round(
+    candidates: Sequence[float],
+    client_teacher_scores: Sequence[Sequence[float]],
+    change_scores: Sequence[Sequence[float]],
+    weights: Sequence[float],
+    trust_budget: float,
+    *,
+    all_scored: bool,
+    score_tol: float = 1e-9,
+    feasibility_tol: float = 1e-8,
+) -> Selection:
+    """The round's multiplier from the valid score replies (row i of each list: client i).
+
+    ``all_scored``: every client whose update is in Δ_t is among them. If not, its K̂ is unknown
+    and a_t is capped at 1; if no client scored at all, a_t = 1 (a fallback, not a cap).
+    """
+    if not client_teacher_scores:
+        return Selection(FALLBACK, FALLBACK, None, 0, None, fallback=True)
+    teacher_scores = weighted_teacher_scores(client_teacher_scores, weights)
+    selected = select_multiplier(
+        candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol
+    )
+    num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol))
+    cap = None if all_scored else UNSCORED_CAP
+    multiplier = selected if cap is None else min(selected, cap)
+    return Selection(multiplier, selected, teacher_scores, num_feasible, cap, fallback=False)

@@ -25,6 +25,7 @@ from fedopd.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
+from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
 from server_app.progress import FIGURE, TensorBoardLog, draw, run_summary, run_title
 from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config
 
@@ -42,87 +43,6 @@ def initial_adapter(cfg: RunConfig):
     hf_logging.disable_progress_bar()  # as on the clients: no 'Loading weights' bar in the run's stream
     student = attach_lora(load_causal_lm(cfg.model.student, dtype="float32", device=torch.device("cpu")), cfg.lora, cfg.seed)
     return student.get_lora_arrays(), student.lora_config
-
-
-def evaluation_summary(evaluation: dict | None) -> str:
-    if not evaluation or "accuracy" not in evaluation:
-        return ""
-    sampled = " ".join(f"{k} {v:.1f}%" for k, v in evaluation.items() if k.startswith(("avg@", "pass@")))
-    label = "Local mean " if evaluation.get("aggregate") == "local-mean" else ""
-    return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
-
-
-def reply_summary(msg) -> str | None:
-    """One progress line for a client's reply, as it arrives: what it did, with counts and times."""
-    if msg.has_error():
-        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {msg.error.reason[:200]}"
-    records = list(msg.content.metric_records.values())
-    if len(records) != 1:
-        return None
-    m = records[0]
-    kind = msg.metadata.message_type
-    who = f"  client {int(m.get('partition-id', -1))}"
-    try:
-        if kind == "train":
-            line = (
-                f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
-                f"cap-hit {100 * m['cap_hit_rate']:.0f}%, reward {100 * m['accuracy']:.0f}%) | "
-                f"teacher {m['teacher_s']:.1f} s"
-            )
-            if m.get("cache_s", 0.0) and "cache_teacher_score" in m:
-                line += f" | cache {m['cache_s']:.2f} s"
-            line += f" | OPD {int(m['steps'])} steps {m['opd_s']:.1f} s, loss {m['loss_first']:.4f} -> {m['loss_last']:.4f}"
-            return line + f" | {m['total_s']:.1f} s"
-        if kind == "query.score":
-            j, k = m["teacher-scores"], m["change-scores"]
-            return f"{who} scored {len(j)} candidates in {m.get('score_s', 0.0):.2f} s (max K {max(k):.4f})"
-        if kind == "evaluate":
-            sampled = " ".join(f"{key} {m[key]:.1f}%" for key in m if key.startswith(("avg@", "pass@")))
-            return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
-    except (KeyError, TypeError, ValueError):
-        return None
-    return None
-
-
-def log_reply(msg) -> None:
-    line = reply_summary(msg)
-    if line:
-        log(INFO, "%s", line)
-
-
-def round_summary(record: dict, num_rounds: int) -> str:
-    """One readable line per round for ``flwr run --stream``."""
-    if record["round"] == 0:
-        return f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
-    a = record.get("multiplier")
-    j = "-"
-    if record.get("teacher_scores") and a in (record.get("candidates") or []):
-        j = f"{record['teacher_scores'][record['candidates'].index(a)]:.4f}"
-    feasible = f"{record['num-feasible']}/{len(record['candidates'])}" if "num-feasible" in record else "-"
-    clients = record.get("clients", [])
-    kl = "-"
-    # The exact KL over all rollouts when train.exact-kl asks for it, else the OPD loss of the
-    # round's first (at θ_t) and last mini-batch, which the epoch computes anyway.
-    first, last, what = ("kl_before", "kl_after", "KL") if clients and "kl_before" in clients[0] else ("loss_first", "loss_last", "loss")
-    if clients and all(first in c and last in c for c in clients):
-        before = sum(c[first] for c in clients) / len(clients)
-        after = sum(c[last] for c in clients) / len(clients)
-        kl = f"{before:.4f} -> {after:.4f}"
-    capped = ""
-    if record.get("multiplier-cap") is not None:
-        unscored = ", ".join(str(n) for n in record.get("unscored-node-ids", []))
-        capped = f" (capped at {record['multiplier-cap']:g}, selected {record['selected-multiplier']:g}: no valid scores from node {unscored})"
-    flags = "".join(
-        [" (fallback: no score replies)" if record.get("fallback") else "",
-         capped,
-         f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
-    )
-    a = "-" if a is None else f"{a:g}"
-    return (
-        f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
-        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))} | "
-        f"{record.get('seconds', 0.0):.1f} s{flags}"
-    )
 
 
 @app.main()
@@ -208,10 +128,12 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
     resolved = {"rollout.stop-tokens": stop.as_record()}
     arrays, lora_config = initial_adapter(cfg)
-    local = cfg.strategy.name == "local"
+    # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
+    num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients)
     if cfg.resume_from:
         run, done = open_resumed_run(cfg, lora_config, resolved)
-        if done > 0 and not local:  # Local's global adapter stays the initial one
+        if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
@@ -221,7 +143,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
 
     run.write_status("running", done)
     try:
-        return _run_rounds(grid, cfg, run, done, arrays)
+        return _run_rounds(grid, cfg, strategy, run, done, arrays)
     except RunFailed as err:
         log(ERROR, "FedTOPS run failed: %s", err)
         run.write_status("failed", error=str(err))
@@ -231,14 +153,16 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         raise
 
 
-def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arrays) -> Path:
+def per_client_adapters(strategy) -> bool:
+    """Whether each client keeps an adapter of its own and there is no global one (Local)."""
+    return hasattr(strategy, "client_adapters")
+
+
+def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays) -> Path:
     started_run = time.perf_counter()
-    local = cfg.strategy.name == "local"
+    per_client = per_client_adapters(strategy)
     title = run_title(cfg.to_run_config())
     tensorboard = TensorBoardLog(run.path / "tensorboard") if cfg.logging.tensorboard else None
-    # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
-    num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, score_timeout=cfg.timeout.score)
 
     def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True):
         """Save the round's adapters, evaluate on the held-out prompts when due, write the record."""
@@ -248,7 +172,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
             record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
             record["seconds"] = time.perf_counter() - strategy.round_started
             record["server-rss-mb"] = rss_mb()
-            if local:
+            if per_client:
                 for pid, named in strategy.client_adapters().items():
                     run.save_adapter(server_round, named, client=pid)
             else:
@@ -256,7 +180,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
         if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
             started = time.perf_counter()
             record["evaluation"] = evaluate_round(
-                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=local, timeout=cfg.timeout.evaluate
+                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=per_client, timeout=cfg.timeout.evaluate
             )
             record["eval_seconds"] = time.perf_counter() - started
         if server_round > 0 or "evaluation" in record:
@@ -270,7 +194,10 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
             except Exception as err:  # noqa: BLE001 - a figure must never stop a run
                 log(WARNING, "could not draw %s: %s", run.path / FIGURE, err)
 
-    # The round loop of Flower's Strategy.start, from the round after the last complete one.
+    # Flower's Strategy.start, from the round after the last complete one, with FedTOPS's score
+    # phase between train and evaluate.
+    log(INFO, "Starting %s strategy:", type(strategy).__name__)
+    strategy.summary()
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
         after_round(0, global_arrays)
@@ -280,11 +207,21 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, run: RunFolder, done: int, arr
         config = ConfigRecord({"run-dir": str(run.path.resolve())})
         if server_round == done + 1 and done > 0:
             config["resume-round"] = done  # clients restore their state of that round
+
+        # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
         messages = strategy.configure_train(server_round, global_arrays, config, grid)
         replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
+
+        # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
+        if new_arrays is not None and hasattr(strategy, "configure_score"):
+            messages = strategy.configure_score(server_round, strategy.increment, grid)
+            replies = grid.send_and_receive(messages, timeout=cfg.timeout.score)
+            new_arrays, _ = strategy.aggregate_score(server_round, replies)
         if new_arrays is not None:
             global_arrays = new_arrays
+
+        # evaluate when due; checkpoint and record the round
         record = strategy.records.get(server_round, {})
         failed_rounds = 0 if record.get("clients") else failed_rounds + 1
         failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record)

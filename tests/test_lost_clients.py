@@ -96,14 +96,24 @@ def test_a_client_lost_in_the_score_query_is_left_out_of_the_selection_and_rejoi
     assert second["scored-node-ids"] == [FIRST_NODE_ID, FIRST_NODE_ID + 1, FIRST_NODE_ID + 2] and second["excluded"] == []
 
 
-def test_the_phase_timeouts_are_run_config_recorded_in_config_json(tmp_path):
+def test_each_phase_waits_at_most_its_timeout_from_the_run_config_recorded_in_config_json(tmp_path, monkeypatch):
     import json
 
+    from server_app.grid import PromptGrid
     from server_app.inprocess import run_in_process
 
+    waits, send_and_receive = [], PromptGrid.send_and_receive
+
+    def recording(self, messages, *, timeout=None):
+        messages = list(messages)
+        waits.append((sorted({m.metadata.message_type for m in messages}), timeout))
+        return send_and_receive(self, messages, timeout=timeout)
+
+    monkeypatch.setattr(PromptGrid, "send_and_receive", recording)
     run = run_in_process({**CONFIG, "num-server-rounds": 1, "output-dir": str(tmp_path), "timeout.train": 7.5, "timeout.score": 2.5})
     config = json.loads((run / "config.json").read_text())
     assert (config["timeout.train"], config["timeout.score"], config["timeout.evaluate"]) == (7.5, 2.5, 3600.0)
+    assert waits == [(["train"], 7.5), (["query.score"], 2.5)]
 
 
 @pytest.mark.parametrize("strategy", ["local"])  # its three per-client adapters show the client's own continuation

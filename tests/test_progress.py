@@ -84,7 +84,7 @@ def test_run_status_exit_codes(tmp_path, state, code):
 def test_a_reply_becomes_one_progress_line(task_identity):
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from server_app.app import reply_summary
+    from server_app.log_lines import reply_summary
 
     request = Message(RecordDict(), dst_node_id=7, message_type="train")
     metrics = {"partition-id": 2, "rollout_s": 1.25, "response_length": 61.4, "cap_hit_rate": 0.03125, "accuracy": 0.4375,
@@ -98,7 +98,7 @@ def test_a_reply_becomes_one_progress_line(task_identity):
 
 
 def test_a_round_whose_multiplier_was_capped_says_so_in_its_line():
-    from server_app.app import round_summary
+    from server_app.log_lines import round_summary
 
     record = {"round": 2, "strategy": "fedtops", "multiplier": 1.0, "selected-multiplier": 10.0, "multiplier-cap": 1.0,
               "unscored-node-ids": [1002], "candidates": [1.0, 10.0], "teacher_scores": [0.2, 0.1], "num-feasible": 2,

@@ -112,7 +112,7 @@ def test_the_centralized_learner_holds_the_pooled_prompts_of_all_partitions():
     from client_app.worker import setup
 
     fed = parse_run_config({**SMALL, "strategy.name": "fedavg"})
-    pooled = setup(parse_run_config({**SMALL, "strategy.name": "centralized"}), 1, 3)[1]
+    pooled = setup(fed, 1, 3, pooled=True)[1]
     parts = [setup(fed, i, 3)[1] for i in range(3)]
     assert pooled == parts[0] + parts[1] + parts[2]
     assert {p.group for p in pooled} == {"addition", "multiplication", "expression"}
@@ -120,14 +120,12 @@ def test_the_centralized_learner_holds_the_pooled_prompts_of_all_partitions():
 
 def test_the_learner_budget_matches_the_paper():
     paper = {"num-server-rounds": 50, "rollout.per-round": 32, "train.mini-batch": 8}
-    assert parse_run_config({**paper, "strategy.name": "centralized"}).learner_budget(3) == (96, 12, 600)
-    assert parse_run_config({**paper, "strategy.name": "fedavg"}).learner_budget(3) == (32, 4, 200)
+    assert parse_run_config({**paper, "strategy.name": "centralized"}).learner_budget(3) == (96, 12, 600)  # 3 pooled
+    assert parse_run_config({**paper, "strategy.name": "fedavg"}).learner_budget(1) == (32, 4, 200)
 
 
 def test_the_centralized_learner_draws_the_same_data_whichever_node_runs_it():
     from client_app.handlers import learner_seed
 
-    central = parse_run_config({**SMALL, "strategy.name": "centralized"})
-    fed = parse_run_config({**SMALL, "strategy.name": "fedavg"})
-    assert learner_seed(central, 0, 3) == learner_seed(central, 2, 3)
-    assert learner_seed(fed, 0, 3) != learner_seed(fed, 2, 3)
+    assert learner_seed(42, 0, 3, pooled=True) == learner_seed(42, 2, 3, pooled=True)
+    assert learner_seed(42, 0, 3) != learner_seed(42, 2, 3)

@@ -195,9 +195,9 @@ def test_the_first_round_of_a_resumed_run_waits_for_num_clients_nodes_and_later_
     assert [m.metadata.dst_node_id for m in second] == [11]
 
 
-def _client_round(monkeypatch, tmp_path, strategy, server_round, extra_config=None, state=None):
-    """Run the client's ``train`` handler for ``server_round`` with the models and the round's
-    work faked: returns (what train_round was given, the log lines)."""
+def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=None, state=None):
+    """Run the client's ``train`` handler for ``server_round`` of a train message for ``learner``
+    with the models and the round's work faked: returns (what train_round was given, the log lines)."""
     import logging
     from types import SimpleNamespace
 
@@ -213,7 +213,7 @@ def _client_round(monkeypatch, tmp_path, strategy, server_round, extra_config=No
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={},
                                optimizer_state={"step": np.array([kwargs["server_round"]], np.int64)})
 
-    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num: (None, ["prompt"] * 4))
+    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     lines = []
 
@@ -223,9 +223,10 @@ def _client_round(monkeypatch, tmp_path, strategy, server_round, extra_config=No
 
     logger, handler = logging.getLogger("flwr"), Lines()
     logger.addHandler(handler)
-    config = ConfigRecord({"server-round": server_round, "run-dir": str(tmp_path / "run"), **(extra_config or {})})
+    config = ConfigRecord({"server-round": server_round, "run-dir": str(tmp_path / "run"), "learner": learner,
+                           "build-scoring-cache": False, **(extra_config or {})})
     content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
-    cfg = parse_run_config({**BASE, "strategy.name": strategy})
+    cfg = parse_run_config(BASE)
     try:
         handlers.train(content, RecordDict() if state is None else state, 1, 3, cfg)
     finally:
@@ -233,19 +234,19 @@ def _client_round(monkeypatch, tmp_path, strategy, server_round, extra_config=No
     return given, lines
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "local"])
+@pytest.mark.parametrize("learner", ["federated", "local"])
 @pytest.mark.parametrize("extra_config", [{}, {"resume-round": 3}], ids=["late-or-lost", "resume-round"])
-def test_a_client_without_state_of_its_own_after_round_one_continues_from_its_latest_saved_round(monkeypatch, tmp_path, strategy, extra_config):
+def test_a_client_without_state_of_its_own_after_round_one_continues_from_its_latest_saved_round(monkeypatch, tmp_path, learner, extra_config):
     import numpy as np
 
     from client_app.client_state import save_round_state
 
     folder = tmp_path / "run.clients" / "partition-1"
     for r in (2, 3):
-        save_round_state(folder, r, {"step": np.array([r], np.int64)}, {"a": np.full(2, r, np.float32)} if strategy == "local" else None)
-    given, lines = _client_round(monkeypatch, tmp_path, strategy, 5 if not extra_config else 4, extra_config)
+        save_round_state(folder, r, {"step": np.array([r], np.int64)}, {"a": np.full(2, r, np.float32)} if learner == "local" else None)
+    given, lines = _client_round(monkeypatch, tmp_path, learner, 5 if not extra_config else 4, extra_config)
     assert given["optimizer_state"]["step"].tolist() == [3]  # its own latest round, not a fresh optimizer
-    assert given["theta"]["a"].tolist() == ([3.0, 3.0] if strategy == "local" else [0.0, 0.0])  # Local: its own adapter
+    assert given["theta"]["a"].tolist() == ([3.0, 3.0] if learner == "local" else [0.0, 0.0])  # Local: its own adapter
     assert any("restored its saved state of round 3" in line for line in lines)
 
 
@@ -257,7 +258,7 @@ def test_a_client_new_to_a_new_run_after_round_one_starts_fresh_and_says_so(monk
 
 def test_a_client_without_saved_state_in_the_first_round_of_a_resumed_run_fails(monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no client state of round <= 2"):
-        _client_round(monkeypatch, tmp_path, "fedavg", 3, {"resume-round": 2})
+        _client_round(monkeypatch, tmp_path, "federated", 3, {"resume-round": 2})
 
 
 def test_a_client_with_state_of_its_own_does_not_restore_a_saved_round(monkeypatch, tmp_path):
@@ -268,5 +269,5 @@ def test_a_client_with_state_of_its_own_does_not_restore_a_saved_round(monkeypat
 
     save_round_state(tmp_path / "run.clients" / "partition-1", 2, {"step": np.array([2], np.int64)}, None)
     state = RecordDict({"meta": ConfigRecord({"server-round": 2}), "optimizer": ArrayRecord({"step": Array(np.array([9], np.int64))})})
-    given, _ = _client_round(monkeypatch, tmp_path, "fedavg", 3, state=state)
+    given, _ = _client_round(monkeypatch, tmp_path, "federated", 3, state=state)
     assert given["optimizer_state"]["step"].tolist() == [9]

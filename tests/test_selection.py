@@ -128,3 +128,66 @@ def test_when_fedavg_is_infeasible_the_first_feasible_candidate_wins_a_tie_for_t
 def test_a_nan_teacher_score_for_fedavg_loses_to_any_finite_score():
     j = [0.5, math.nan, 0.4, 0.6, 0.7, 0.8]
     assert select_multiplier(CANDIDATES, j, _k([0.0] * 6), 0.05) == 2.0
+
+
+# One round's decision: select_round (weighted Ĵ, the rule, the cap at 1, the fallback).
+
+
+def test_teacher_score_is_the_num_examples_weighted_mean_over_the_clients_that_scored():
+    from fedtops_strategy.selection import weighted_teacher_scores
+
+    # Weights 1 and 3: Ĵ = (1·0.4 + 3·0.2) / 4 = 0.25 and (1·0.5 + 3·0.25) / 4 = 0.3125 (exact in binary).
+    assert weighted_teacher_scores([[0.4, 0.5], [0.2, 0.25]], [1, 3]) == [0.25, 0.3125]
+
+
+def test_the_weighted_mean_divides_once_after_summing_as_the_saved_runs_did():
+    from fedtops_strategy.selection import weighted_teacher_scores
+
+    # Σ w_i Ĵ_i / Σ w_i, not Σ (w_i / Σ w) Ĵ_i (Flower's aggregate_metricrecords): they differ in
+    # the last bit here, and the golden runs pin the first.
+    j = [[0.762], [0.002], [0.445]]
+    assert weighted_teacher_scores(j, [570, 570, 570]) == [0.403]
+    assert sum(570 / 1710 * x for [x] in j) == 0.40299999999999997
+
+
+def test_a_round_where_every_client_that_trained_scored_takes_the_rules_choice():
+    from fedtops_strategy.selection import select_round
+
+    j = [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]] * 2
+    s = select_round(CANDIDATES, j, _k([0.0] * 6, [0.0] * 6), [1, 1], 0.05, all_scored=True)
+    assert (s.multiplier, s.selected, s.cap, s.fallback, s.num_feasible) == (10.0, 10.0, None, False, 6)
+    assert s.teacher_scores == [0.5, 0.4, 0.3, 0.2, 0.1, 0.0]
+
+
+def test_a_client_that_trained_without_scores_caps_the_multiplier_at_one():
+    from fedtops_strategy.selection import select_round
+
+    j = [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]]
+    s = select_round(CANDIDATES, j, _k([0.0] * 6), [1], 0.05, all_scored=False)
+    assert (s.multiplier, s.selected, s.cap, s.capped) == (1.0, 10.0, 1.0, True)
+
+
+@pytest.mark.parametrize("k, selected", [([1.0] * 6, 0.0), ([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.5)])
+def test_the_cap_leaves_a_hold_and_a_half_step_as_they_are(k, selected):
+    from fedtops_strategy.selection import select_round
+
+    s = select_round(CANDIDATES, [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]], _k(k), [1], 0.05, all_scored=False)
+    assert (s.multiplier, s.selected, s.cap, s.capped) == (selected, selected, 1.0, False)
+
+
+def test_no_client_scored_falls_back_to_fedavg_without_a_cap():
+    from fedtops_strategy.selection import select_round
+
+    s = select_round(CANDIDATES, [], [], [], 0.05, all_scored=False)
+    assert (s.multiplier, s.selected, s.cap, s.fallback, s.teacher_scores, s.num_feasible) == (1.0, 1.0, None, True, None, 0)
+
+
+def test_select_round_uses_the_weighted_scores_and_its_tolerances():
+    from fedtops_strategy.selection import select_round
+
+    # Unweighted, a = 2 would win (0.30 vs 0.325 for a = 3); with weights 1 and 3, a = 3 (0.2875).
+    j = [[0.5, 0.5, 0.3, 0.4, 0.9, 0.9], [0.5, 0.5, 0.3, 0.25, 0.9, 0.9]]
+    assert select_round(CANDIDATES, j, _k([0.0] * 6, [0.0] * 6), [1, 3], 0.05, all_scored=True).multiplier == 3.0
+    k = _k([0.0, 0.0, 0.05 + 5e-9, 0.06, 0.06, 0.06])
+    strict = select_round(CANDIDATES, [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]], k, [1], 0.05, all_scored=True, feasibility_tol=0.0)
+    assert (strict.multiplier, strict.num_feasible) == (1.0, 2)

@@ -25,12 +25,19 @@ def _apps(overrides):
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
-    from client_app.app import handle_score, handle_train
+    from flwr.app import Context
+
+    from client_app.app import score, train
     from fedopd.config import parse_run_config
     from server_app.app import run_server
 
     cfg = parse_run_config(overrides)
     server, client = ServerApp(), ClientApp()
+
+    def with_run_config(context):
+        """The client's context as Flower's runtime builds it for a FAB with this run config."""
+        return Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                       state=context.state, run_config=cfg.to_run_config())
 
     @server.main()
     def _main(grid, context):
@@ -38,11 +45,11 @@ def _apps(overrides):
 
     @client.train()
     def _train(msg, context):
-        return handle_train(msg, context, cfg)
+        return train(msg, with_run_config(context))
 
     @client.query("score")
     def _score(msg, context):
-        return handle_score(msg, context, cfg)
+        return score(msg, with_run_config(context))
 
     return server, client
 

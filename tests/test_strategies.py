@@ -1,8 +1,9 @@
-"""The three strategies driven by hand-made replies through a fake Grid (no models, no Ray)."""
+"""The strategies driven by hand-made replies through a fake Grid (no models, no Ray), round by
+round as the ServerApp's loop drives them: train, then score for a strategy that has that phase."""
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, MetricRecord, RecordDict
 
 from fedopd.config import StrategyConfig
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
@@ -66,9 +67,18 @@ class FakeGrid:
 
 
 def _run(strategy, grid, rounds=1):
-    result = strategy.start(grid=grid, initial_arrays=_record(THETA), num_rounds=rounds)
-    assert list(result.arrays.keys()) == KEYS  # so that comparisons over zip(...) cannot be vacuous
-    return result.arrays.to_numpy_ndarrays()
+    """The train and score phases of ``server_app.app``'s round loop; the final global arrays."""
+    arrays = _record(THETA)
+    for server_round in range(1, rounds + 1):
+        replies = grid.send_and_receive(strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=3600.0)
+        new, _ = strategy.aggregate_train(server_round, replies)
+        if new is not None and hasattr(strategy, "configure_score"):
+            replies = grid.send_and_receive(strategy.configure_score(server_round, strategy.increment, grid), timeout=600.0)
+            new, _ = strategy.aggregate_score(server_round, replies)
+        if new is not None:
+            arrays = new
+    assert list(arrays.keys()) == KEYS  # so that comparisons over zip(...) cannot be vacuous
+    return arrays.to_numpy_ndarrays()
 
 
 def _common(n):
@@ -295,10 +305,27 @@ def test_factory_builds_each_strategy_from_the_config():
     assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
 
 
-def test_score_query_waits_at_most_the_score_timeout():
+def test_fedtops_aggregate_train_sends_nothing_and_keeps_the_weighted_increment():
     grid = FakeGrid(UPDATES, WEIGHTS, {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)})
-    _run(FedTOPS(score_timeout=42.0, **_common(2)), grid)
-    assert (["query.score"], 42.0) in grid.timeouts
+    strategy = FedTOPS(**_common(2))
+    replies = grid.send_and_receive(strategy.configure_train(1, _record(THETA), ConfigRecord(), grid))
+    mean, _ = strategy.aggregate_train(1, replies)
+    assert [m.metadata.message_type for m in grid.sent] == ["train", "train"]  # no score query from in there
+    assert all(np.array_equal(m, e) for m, e in zip(mean.to_numpy_ndarrays(), MEAN))  # FedAvg's θ_t + Δ_t
+    assert all(np.array_equal(d, e) for d, e in zip(strategy.increment.to_numpy_ndarrays(), DELTA))
+
+
+@pytest.mark.parametrize(
+    "strategy, learner, cache",
+    [("fedtops", "federated", True), ("fedavg", "federated", False), ("fixed", "federated", False),
+     ("local", "local", False), ("centralized", "centralized", False)],
+)
+def test_the_train_message_says_what_the_client_learns_from_and_whether_it_builds_a_scoring_cache(strategy, learner, cache):
+    settings = StrategyConfig(name=strategy, multiplier=3.0)
+    grid = FakeGrid(UPDATES, WEIGHTS)
+    [first, *_] = make_strategy(settings, num_clients=2).configure_train(1, _record(THETA), ConfigRecord(), grid)
+    config = first.content["config"]
+    assert (config["learner"], config["build-scoring-cache"]) == (learner, cache)
 
 
 def test_score_replies_are_recorded_in_node_order_whatever_order_they_arrive_in():

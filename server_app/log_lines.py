@@ -1,0 +1,92 @@
+"""The ServerApp's log lines: one per client reply as it arrives, one per round.
+
+Each is a pure function of a reply message or a round record (``rounds.jsonl``), so what a run
+shows with ``flwr run --stream`` can be tested on hand-made inputs.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+
+from flwr.common.logger import log
+
+
+def evaluation_summary(evaluation: dict | None) -> str:
+    if not evaluation or "accuracy" not in evaluation:
+        return ""
+    sampled = " ".join(f"{k} {v:.1f}%" for k, v in evaluation.items() if k.startswith(("avg@", "pass@")))
+    label = "Local mean " if evaluation.get("aggregate") == "local-mean" else ""
+    return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
+
+
+def reply_summary(msg) -> str | None:
+    """One progress line for a client's reply, as it arrives: what it did, with counts and times."""
+    if msg.has_error():
+        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {msg.error.reason[:200]}"
+    records = list(msg.content.metric_records.values())
+    if len(records) != 1:
+        return None
+    m = records[0]
+    kind = msg.metadata.message_type
+    who = f"  client {int(m.get('partition-id', -1))}"
+    try:
+        if kind == "train":
+            line = (
+                f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
+                f"cap-hit {100 * m['cap_hit_rate']:.0f}%, reward {100 * m['accuracy']:.0f}%) | "
+                f"teacher {m['teacher_s']:.1f} s"
+            )
+            if m.get("cache_s", 0.0) and "cache_teacher_score" in m:
+                line += f" | cache {m['cache_s']:.2f} s"
+            line += f" | OPD {int(m['steps'])} steps {m['opd_s']:.1f} s, loss {m['loss_first']:.4f} -> {m['loss_last']:.4f}"
+            return line + f" | {m['total_s']:.1f} s"
+        if kind == "query.score":
+            j, k = m["teacher-scores"], m["change-scores"]
+            return f"{who} scored {len(j)} candidates in {m.get('score_s', 0.0):.2f} s (max K {max(k):.4f})"
+        if kind == "evaluate":
+            sampled = " ".join(f"{key} {m[key]:.1f}%" for key in m if key.startswith(("avg@", "pass@")))
+            return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def log_reply(msg) -> None:
+    line = reply_summary(msg)
+    if line:
+        log(INFO, "%s", line)
+
+
+def round_summary(record: dict, num_rounds: int) -> str:
+    """One readable line per round for ``flwr run --stream``."""
+    if record["round"] == 0:
+        return f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
+    a = record.get("multiplier")
+    j = "-"
+    if record.get("teacher_scores") and a in (record.get("candidates") or []):
+        j = f"{record['teacher_scores'][record['candidates'].index(a)]:.4f}"
+    feasible = f"{record['num-feasible']}/{len(record['candidates'])}" if "num-feasible" in record else "-"
+    clients = record.get("clients", [])
+    kl = "-"
+    # The exact KL over all rollouts when train.exact-kl asks for it, else the OPD loss of the
+    # round's first (at θ_t) and last mini-batch, which the epoch computes anyway.
+    first, last, what = ("kl_before", "kl_after", "KL") if clients and "kl_before" in clients[0] else ("loss_first", "loss_last", "loss")
+    if clients and all(first in c and last in c for c in clients):
+        before = sum(c[first] for c in clients) / len(clients)
+        after = sum(c[last] for c in clients) / len(clients)
+        kl = f"{before:.4f} -> {after:.4f}"
+    capped = ""
+    if record.get("multiplier-cap") is not None:
+        unscored = ", ".join(str(n) for n in record.get("unscored-node-ids", []))
+        capped = f" (capped at {record['multiplier-cap']:g}, selected {record['selected-multiplier']:g}: no valid scores from node {unscored})"
+    flags = "".join(
+        [" (fallback: no score replies)" if record.get("fallback") else "",
+         capped,
+         f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
+    )
+    a = "-" if a is None else f"{a:g}"
+    return (
+        f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
+        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))} | "
+        f"{record.get('seconds', 0.0):.1f} s{flags}"
+    )

@@ -1,0 +1,149 @@
+"""A strategy is one builder registered by name; what its clients do differently comes from its
+train messages' config (``learner``, ``build-scoring-cache``), never from its name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
+
+from conftest import TINY
+from fedopd.config import parse_run_config
+from fedopd.lora import apply_increment, from_record, increment
+from fedtops_strategy.screening import ReplyScreening
+
+SMALL = {
+    **TINY, "num-server-rounds": 2, "data.prompts-per-client": 16, "rollout.per-round": 8, "rollout.max-new-tokens": 12,
+    "train.mini-batch": 4, "train.micro-batch": 4,
+}
+
+
+class HalfStep(ReplyScreening, FedAvg):
+    """FedAvg with a server step of half the averaged increment: θ_{t+1} = θ_t + 0.5·Δ_t."""
+
+    strategy_name = "half-step"
+
+    def aggregate_train(self, server_round, replies):
+        mean, metrics = super().aggregate_train(server_round, replies)  # screened FedAvg
+        if mean is None:
+            return None, metrics
+        theta = self.theta_arrays()
+        new = apply_increment(theta, increment(from_record(mean), theta), 0.5)
+        self.records[server_round]["multiplier"] = 0.5
+        return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
+
+
+@pytest.fixture()
+def half_step():
+    from fedtops_strategy.factory import STRATEGIES, register_strategy
+
+    register_strategy("half-step", lambda cfg, common: HalfStep(**common))
+    yield "half-step"
+    STRATEGIES.pop("half-step")
+
+
+@pytest.mark.slow
+def test_a_strategy_registered_in_a_test_runs_through_the_app_with_its_own_server_step(half_step, tmp_path, monkeypatch):
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from fedopd.models import load_adapter
+    from server_app.inprocess import InProcessGrid, run_in_process
+    from server_app.run_folder import read_rounds
+
+    train_rounds: dict[str, int] = {}  # train message id -> its round
+    train_replies: dict[int, list[RecordDict]] = {}  # round -> the train replies' contents
+    push, pull = InProcessGrid.push_messages, InProcessGrid.pull_messages
+
+    def recording_push(self, messages):
+        messages = list(messages)
+        ids = list(push(self, messages))
+        for m, i in zip(messages, ids):
+            if m.metadata.message_type == "train":
+                train_rounds[i] = int(m.content["config"]["server-round"])
+        return ids
+
+    def recording_pull(self, message_ids):
+        replies = list(pull(self, message_ids))
+        for r in replies:
+            if r.metadata.reply_to_message_id in train_rounds and not r.has_error():
+                train_replies.setdefault(train_rounds[r.metadata.reply_to_message_id], []).append(r.content)
+        return replies
+
+    monkeypatch.setattr(InProcessGrid, "push_messages", recording_push)
+    monkeypatch.setattr(InProcessGrid, "pull_messages", recording_pull)
+    run = run_in_process({**SMALL, "strategy.name": half_step, "output-dir": str(tmp_path)})
+
+    rounds = read_rounds(run)
+    assert [(r["round"], r["strategy"], r["multiplier"]) for r in rounds] == [(1, "half-step", 0.5), (2, "half-step", 0.5)]
+    assert all("cache_teacher_score" not in c for r in rounds for c in r["clients"])  # no scoring cache asked for
+    for server_round in (1, 2):
+        theta = load_adapter(run / f"round-{server_round - 1:03d}")
+        # FedAvg over the replies in the order the strategy averages them (by partition)
+        replies = sorted(train_replies[server_round], key=lambda c: c["metrics"]["partition-id"])
+        assert len(replies) == 3
+        mean = from_record(aggregate_arrayrecords(replies, "num-examples"))
+        expected = {k: t + np.float32(0.5) * (mean[k] - t) for k, t in theta.items()}  # θ + 0.5·Δ
+        saved = load_adapter(run / f"round-{server_round:03d}")
+        assert saved.keys() == expected.keys()
+        assert all(np.array_equal(saved[k], expected[k]) for k in expected)
+        assert not all(np.array_equal(saved[k], mean[k]) for k in expected)  # not FedAvg's step
+
+
+def _client_train(monkeypatch, message_config, **overrides):
+    """The client's ``train`` handler (partition 0 of 3) on a message with ``message_config``, with
+    the models and the round's work faked: (what setup and train_round were given, the state folder)."""
+    from types import SimpleNamespace
+
+    import client_app.handlers as handlers
+
+    given = {}
+
+    def fake_setup(cfg, pid, num, pooled=False):
+        given["pooled"] = pooled
+        return None, ["prompt"] * (3 * 16 if pooled else 16)
+
+    def fake_train_round(models, theta, prompts, **kwargs):
+        given.update(kwargs)
+        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={})
+
+    folders = []
+    real_dir = handlers.client_state_dir
+    monkeypatch.setattr(handlers, "client_state_dir", lambda config, node, who: folders.append(who) or real_dir(config, node, who))
+    monkeypatch.setattr(handlers.worker, "setup", fake_setup)
+    monkeypatch.setattr(handlers, "train_round", fake_train_round)
+    cfg = parse_run_config({**SMALL, **overrides})
+    content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}),
+                          "config": ConfigRecord({"server-round": 1, **message_config})})
+    handlers.train(content, RecordDict(), 0, 3, cfg)
+    return given, folders
+
+
+@pytest.mark.parametrize("name", ["fedtops", "fedavg"])
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_message_not_the_strategy_name_decides_whether_the_client_builds_a_scoring_cache(monkeypatch, name, flag):
+    given, _ = _client_train(monkeypatch, {"learner": "federated", "build-scoring-cache": flag}, **{"strategy.name": name})
+    assert given["build_cache"] is flag
+
+
+def test_a_centralized_learner_message_pools_every_partition_whatever_the_strategy_name(monkeypatch, half_step):
+    from fedopd.round import derive_seed
+
+    given, folders = _client_train(monkeypatch, {"learner": "centralized", "build-scoring-cache": False},
+                                   **{"strategy.name": half_step})
+    assert given["pooled"] is True
+    assert given["rollout"].per_round == 3 * 8  # the three clients' rollouts, the same mini-batch of 4
+    assert given["total_steps"] == 2 * 6  # 6 steps a round over 2 rounds
+    assert given["seed"] == derive_seed(42, 3)  # the pool is one more partition (3 of 0..2), whichever node runs it
+    assert folders == ["central"]
+
+
+def test_a_federated_learner_message_trains_on_its_own_partition(monkeypatch):
+    given, folders = _client_train(monkeypatch, {"learner": "federated", "build-scoring-cache": False}, **{"strategy.name": "fedavg"})
+    assert given["pooled"] is False and given["rollout"].per_round == 8 and given["total_steps"] == 2 * 2
+    assert folders == [0]
+
+
+def test_a_train_message_with_an_unknown_learner_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="'learner' = 'swarm'; allowed: 'federated', 'local', 'centralized'"):
+        _client_train(monkeypatch, {"learner": "swarm"})
