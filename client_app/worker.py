@@ -13,7 +13,7 @@ from logging import INFO
 
 from flwr.common.logger import log
 
-from fedopd.config import DataConfig, LoraSettings, ModelConfig, RunConfig
+from fedopd.config import DataSettings, LoraSettings, ModelSettings, RunConfig
 from fedopd.data import DATASETS, Prompt, encode_prompts
 from fedopd.round import ClientModels, load_client_models
 from fedopd.vocab import ModelFiles, eos_conventions
@@ -29,7 +29,7 @@ def model_loads() -> int:
 
 @lru_cache(maxsize=1)
 def worker_models(
-    model: ModelConfig,
+    model: ModelSettings,
     lora: LoraSettings,
     backend: str,
     max_model_len: int,
@@ -59,12 +59,12 @@ def worker_models(
     return models
 
 
-def partition_rows(data: DataConfig, partition_id: int, num_partitions: int) -> list[dict]:
+def partition_rows(data: DataSettings, partition_id: int, num_partitions: int) -> list[dict]:
     """The training rows of one client partition (the prompt set ``data.name``, :data:`fedopd.data.DATASETS`)."""
     return DATASETS[data.name].train_rows(data, partition_id, num_partitions)
 
 
-def heldout_rows(data: DataConfig, partition_id: int, num_partitions: int, count: int) -> list[dict]:
+def heldout_rows(data: DataSettings, partition_id: int, num_partitions: int, count: int) -> list[dict]:
     """The held-out rows of one client, never among any client's training prompts."""
     loader = DATASETS[data.name].heldout_rows
     if loader is None:

@@ -35,7 +35,7 @@ UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given 
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelSettings:
     student: str = "builtin:sandbox-student"
     teacher: str = "builtin:sandbox-teacher"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
@@ -53,7 +53,7 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSettings:
     name: str = "sandbox"
     prompts_per_client: int = 256
     max_prompt_tokens: int = 2048
@@ -90,7 +90,7 @@ class TrainSettings:
 
 
 @dataclass(frozen=True)
-class StrategyConfig:
+class StrategySettings:
     name: str = "fedtops"
     multiplier: float = -1.0  # UNSET_MULTIPLIER: 'fixed' needs an explicit a >= 0
     candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
@@ -141,12 +141,12 @@ class RunConfig:
     output_dir: str = "runs"
     resume_from: str = ""  # a run folder to continue; "" = a new run
     preset: str = "sandbox"
-    model: ModelConfig = ModelConfig()
+    model: ModelSettings = ModelSettings()
     lora: LoraSettings = LoraSettings()
-    data: DataConfig = DataConfig()
+    data: DataSettings = DataSettings()
     rollout: RolloutSettings = RolloutSettings()
     train: TrainSettings = TrainSettings()
-    strategy: StrategyConfig = StrategyConfig()
+    strategy: StrategySettings = StrategySettings()
     cache: CacheSettings = CacheSettings()
     eval: EvalSettings = EvalSettings()
     timeout: TimeoutSettings = TimeoutSettings()

@@ -275,7 +275,7 @@ class PromptSet:
     """A client prompt set: how to get one client's training rows, and its held-out rows.
 
     ``train_rows(data, partition_id, num_partitions)`` and ``heldout_rows(data, partition_id,
-    num_partitions, count)`` take the validated ``DataConfig`` (``data.seed``, ``data.path``,
+    num_partitions, count)`` take the validated ``DataSettings`` (``data.seed``, ``data.path``,
     ``data.prompts-per-client``, ...) and return rows with ``problem`` and ``answer``. A set
     without held-out problems leaves ``heldout_rows`` None (``eval.every`` must then be 0).
     """

@@ -20,7 +20,7 @@ it. What they rely on was read in vLLM's source (main, 2026; file paths below):
   ("temperature must be in [0, 2]"); ``top_k`` "quietly accept -1 as disabled, but prefer 0";
   temperature below 1e-5 is greedy (``__post_init__`` then resets top_p/top_k/min_p).
 - ``vllm/entrypoints/llm.py`` ``LLM.generate``: the model's ``generation_config.json`` sampling
-  defaults (``ModelConfig.get_diff_sampling_param``: repetition_penalty, temperature, top_k, top_p,
+  defaults (``ModelSettings.get_diff_sampling_param``: repetition_penalty, temperature, top_k, top_p,
   min_p, max_new_tokens) are used only when ``sampling_params is None``; explicit SamplingParams
   keep their own fields. ``generation_config="vllm"`` (``vllm/config/model.py``) makes those
   defaults empty anyway, while ``try_get_generation_config`` still reads the file for its EOS ids

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 from flwr.serverapp.strategy import Strategy
 
-from fedopd.config import StrategyConfig
+from fedopd.config import StrategySettings
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
-StrategyBuilder = Callable[[StrategyConfig, dict[str, Any]], Strategy]
+StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
 
 STRATEGIES: dict[str, StrategyBuilder] = {
     "fedavg": lambda cfg, common: LoRAFedAvg(**common),
@@ -42,7 +42,7 @@ def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
     return builder
 
 
-def make_strategy(cfg: StrategyConfig, *, num_clients: int) -> Strategy:
+def make_strategy(cfg: StrategySettings, *, num_clients: int) -> Strategy:
     """The strategy registered as ``strategy.name``: all ``num_clients`` clients train every round
     (Centralized: one learner, with all of them connected)."""
     if cfg.name not in STRATEGIES:

@@ -1,7 +1,7 @@
 """The FedTOPS selection rule (paper Algorithm 1 with the tolerances of App. "Selection rule").
 
 Pure: scalars in, one multiplier out. Feasible means every client's predictive change stays
-within the trust budget, ``max_i K_i(a) <= delta + feasibility_tol``. If a = 1 (FedAvg) is
+within the trust budget, ``max_i K_i(a) <= trust_budget + feasibility_tol``. If a = 1 (FedAvg) is
 feasible it is the incumbent, replaced, scanning the feasible candidates in their given order,
 only by one whose teacher score is lower by more than ``score_tol``. If a = 1 is infeasible, the
 feasible candidate with the smallest teacher score wins (the first in order on ties). If nothing

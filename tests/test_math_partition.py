@@ -86,9 +86,9 @@ def test_missing_local_data_is_named(tmp_path):
 
 def test_client_partition_for_math_needs_three_partitions(math_file):
     from client_app.worker import partition_rows
-    from fedopd.config import DataConfig
+    from fedopd.config import DataSettings
 
-    data = DataConfig(name="math", prompts_per_client=20, path=str(math_file), seed=42)
+    data = DataSettings(name="math", prompts_per_client=20, path=str(math_file), seed=42)
     assert len(partition_rows(data, 2, 3)) == 20
     with pytest.raises(ValueError, match="3 subject-group clients; num-partitions is 4"):
         partition_rows(data, 0, 4)

@@ -180,12 +180,12 @@ def test_the_first_round_of_a_resumed_run_waits_for_num_clients_nodes_and_later_
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from fedopd.config import StrategyConfig
+    from fedopd.config import StrategySettings
     from fedtops_strategy import make_strategy
 
     monkeypatch.setattr(flwr_sampling, "sleep", lambda seconds: None)
     arrays = ArrayRecord({"a": Array(np.zeros(2, np.float32))})
-    strategy = make_strategy(StrategyConfig(name=name), num_clients=3)
+    strategy = make_strategy(StrategySettings(name=name), num_clients=3)
     grid = _JoiningGrid()
     grid.later = [11, 12, 13]
     first = strategy.configure_train(3, arrays, ConfigRecord({"resume-round": 2}), grid)  # resumed after round 2

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, MetricRecord, RecordDict
 
-from fedopd.config import StrategyConfig
+from fedopd.config import StrategySettings
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -298,10 +298,10 @@ def test_after_round_one_a_round_trains_the_clients_still_connected():
 
 
 def test_factory_builds_each_strategy_from_the_config():
-    assert isinstance(make_strategy(StrategyConfig(name="fedavg"), num_clients=3), LoRAFedAvg)
-    fixed = make_strategy(StrategyConfig(name="fixed", multiplier=3.0), num_clients=3)
+    assert isinstance(make_strategy(StrategySettings(name="fedavg"), num_clients=3), LoRAFedAvg)
+    fixed = make_strategy(StrategySettings(name="fixed", multiplier=3.0), num_clients=3)
     assert isinstance(fixed, FixedMultiplier) and fixed.server_learning_rate == 3.0 and fixed.server_momentum == 0.0
-    fedtops = make_strategy(StrategyConfig(name="fedtops", trust_budget=0.02, candidates=(1.0, 2.0)), num_clients=3)
+    fedtops = make_strategy(StrategySettings(name="fedtops", trust_budget=0.02, candidates=(1.0, 2.0)), num_clients=3)
     assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
 
 
@@ -321,7 +321,7 @@ def test_fedtops_aggregate_train_sends_nothing_and_keeps_the_weighted_increment(
      ("local", "local", False), ("centralized", "centralized", False)],
 )
 def test_the_train_message_says_what_the_client_learns_from_and_whether_it_builds_a_scoring_cache(strategy, learner, cache):
-    settings = StrategyConfig(name=strategy, multiplier=3.0)
+    settings = StrategySettings(name=strategy, multiplier=3.0)
     grid = FakeGrid(UPDATES, WEIGHTS)
     [first, *_] = make_strategy(settings, num_clients=2).configure_train(1, _record(THETA), ConfigRecord(), grid)
     config = first.content["config"]
