@@ -17,7 +17,6 @@ from conftest import TINY
 from fedopd.cache import build_scoring_cache, score_candidates
 from fedopd.config import CacheSettings, parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.lora import increment
 from fedopd.opd import micro_batches, minibatch_gradient, make_micro_batches, teacher_pass, use_packing
 from fedopd.rollout import HFRolloutEngine, Rollouts
 from fedopd.round import ClientModels, train_round
