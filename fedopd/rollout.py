@@ -63,6 +63,12 @@ class RolloutEngine(ABC):
         """One sampled response per prompt."""
 
 
+def _own_eos_ids(student) -> list[int]:
+    from fedopd.vocab import ModelFiles, eos_ids
+
+    return eos_ids(ModelFiles.of(student))
+
+
 def split_response(tokens: Sequence[int], eos_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut generated tokens after the first EOS (kept); report whether the length cap was hit."""
     out = []
@@ -109,9 +115,7 @@ class HFRolloutEngine(RolloutEngine):
         self.batch_size = batch_size
         tok = student.tokenizer
         if stop_token_ids is None:  # the student's own EOS ids (a run passes the pair's stop set)
-            from fedopd.vocab import ModelFiles, eos_ids
-
-            stop_token_ids = eos_ids(ModelFiles.of(student))
+            stop_token_ids = _own_eos_ids(student)
         if not stop_token_ids:
             raise ValueError(f"no stop token for '{student.name}': set rollout.stop-tokens")
         self.eos_ids = {int(e) for e in stop_token_ids}
@@ -178,10 +182,6 @@ def make_rollout_engine(
     ``stop_token_ids``: where responses end on either engine (:func:`fedopd.vocab.resolve_stop_tokens`);
     None = the student's own EOS ids.
     """
-    if stop_token_ids is None:
-        from fedopd.vocab import ModelFiles, eos_ids
-
-        stop_token_ids = eos_ids(ModelFiles.of(student))
     from fedopd.rollout_vllm import VLLMRolloutEngine, vllm_available
 
     if backend not in ("auto", "hf", "vllm"):
@@ -199,6 +199,6 @@ def make_rollout_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             dtype="bfloat16" if student.dtype == torch.bfloat16 else "auto",
             seed=seed,
-            stop_token_ids=list(stop_token_ids),
+            stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else _own_eos_ids(student),
         )
     return HFRolloutEngine(student, stop_token_ids=stop_token_ids, **hf_kwargs)

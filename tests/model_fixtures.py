@@ -40,20 +40,21 @@ def _copy(source: str, dest: Path) -> Path:
     return dest
 
 
-def base_student(dest: Path) -> Path:
+def _student_with_eos(dest: Path, tokenizer_eos: str) -> Path:
+    """The student whose config and generation config declare only ``<|endoftext|>``."""
     path = _copy("sandbox-student", dest)
-    _edit_json(path / "tokenizer_config.json", eos_token="<|endoftext|>")
+    _edit_json(path / "tokenizer_config.json", eos_token=tokenizer_eos)
     _edit_json(path / "config.json", eos_token_id=ENDOFTEXT)
     _edit_json(path / "generation_config.json", eos_token_id=ENDOFTEXT)
     return path
+
+
+def base_student(dest: Path) -> Path:
+    return _student_with_eos(dest, "<|endoftext|>")
 
 
 def qwen3_base_student(dest: Path) -> Path:
-    path = _copy("sandbox-student", dest)
-    _edit_json(path / "tokenizer_config.json", eos_token="<|im_end|>")
-    _edit_json(path / "config.json", eos_token_id=ENDOFTEXT)
-    _edit_json(path / "generation_config.json", eos_token_id=ENDOFTEXT)
-    return path
+    return _student_with_eos(dest, "<|im_end|>")
 
 
 def instruct_teacher(dest: Path) -> Path:
