@@ -1,7 +1,7 @@
 """The run configuration: one typed object, parsed and validated once.
 
 Flower hands the ClientApp and the ServerApp a flat ``run_config`` dict whose keys are grouped
-by prefix (README, "Run config"): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
+by prefix (docs/configuration.md): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
 turns that dict into a frozen :class:`RunConfig` with one dataclass per group, and rejects any bad
 value before work starts with a :class:`ConfigError` that names the key, the value and what is
 allowed. Engine code receives the group it needs (``cfg.train``, ``cfg.cache``), never the dict.

@@ -88,7 +88,7 @@ class _FP32Head(torch.autograd.Function):
 
     bf16 and fp16 values are exactly representable in TF32 (8 exponent, 10 mantissa bits), so for a
     half-precision model on CUDA the forward runs on TF32 tensor cores with fp32 accumulation and
-    gives the logits of an fp32 matmul of the same values, several times faster (README: loss
+    gives the logits of an fp32 matmul of the same values, several times faster (docs/performance.md: loss
     benchmark). The backward, whose incoming gradient is fp32, uses TF32 as well: it feeds a
     half-precision backward pass. fp32 models (the CPU path) compute in plain fp32.
     """

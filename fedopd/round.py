@@ -51,7 +51,7 @@ def load_client_models(
     student or the teacher declares, so a Base student stops where the chat turn ends).
 
     With vLLM, the engine asks for ``gpu_memory_utilization`` of the whole GPU, which must still
-    be free after the HF student and teacher are loaded (README: memory split per card).
+    be free after the HF student and teacher are loaded (docs/reproducing-the-paper.md: memory split per card).
     """
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
     stop = resolve_stop_tokens(stop_tokens, ModelFiles.of(s), ModelFiles.of(t))

@@ -10,7 +10,7 @@
    something to teach and the federated dynamics are visible within a CPU budget. The student is
    left mid-training at a constant learning rate, not cooled down: continuing a cooled-down
    checkpoint at a re-warmed rate first undoes part of its training (measured: held-out accuracy
-   fell in the first rounds of every learner tried, SFT included; README, "Why the sandbox student
+   fell in the first rounds of every learner tried, SFT included; docs/sandbox.md, "Why the sandbox student
    is left mid-training").
 3. Both are written with ``save_pretrained`` (safetensors, bf16 to keep the package small) next
    to this module, then reloaded from disk and evaluated greedily on held-out problems with the
