@@ -27,6 +27,7 @@ BACKENDS = ("auto", "hf", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 PACKING = ("auto", "packed", "padded")
+PARTITIONERS = ("groups", "iid", "dirichlet", "natural")
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
 
 
@@ -59,6 +60,14 @@ class DataSettings:
     max_prompt_tokens: int = 2048
     path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
     seed: int = 42  # the partition, the prompt pool and the held-out selection; never the training seed
+    partitioner: str = "groups"  # PARTITIONERS: groups = the set's own fixed groups (the paper's)
+    partition_by: str = "group"  # the column of dirichlet / natural partitioning
+    dirichlet_alpha: float = 0.5
+    split: str = "train"  # prompts: the split of data.path
+    problem_column: str = "problem"  # prompts: the problem text
+    answer_column: str = "answer"  # prompts: the gold answer (plain, or a solution with \\boxed{})
+    eval_path: str = ""  # prompts: held-out problems ("" = a seeded split of data.path)
+    eval_split: str = ""  # the split of eval_path ("" = split)
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,8 @@ class StrategySettings:
     multiplier: float = -1.0  # UNSET_MULTIPLIER: 'fixed' needs an explicit a >= 0
     candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
     trust_budget: float = 0.05
+    fraction_train: float = 1.0  # Flower's fraction_train: the share of connected nodes sampled per round
+    min_train_clients: int = 1  # Flower's min_train_nodes: the fewest nodes a round trains
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,7 @@ class EvalSettings:
     temperature: float = 1.0  # the paper's evaluation sampling
     top_p: float = 0.8
     max_new_tokens: int = 128
+    fraction: float = 1.0  # share of the connected nodes that evaluate (sampled per evaluation round)
 
 
 @dataclass(frozen=True)
@@ -266,8 +278,16 @@ _key("lora.alpha", "lora.alpha", _float(0.0, strict=True))
 _key("data.name", "data.name", _registered("fedopd.data", "DATASETS"))
 _key("data.prompts-per-client", "data.prompts_per_client", _int(1))
 _key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
-_key("data.path", "data.path", (str, lambda v: True, "a local file or folder, or '' for the hub"))
+_key("data.path", "data.path", (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for the set's own source"))
 _key("data.seed", "data.seed", _int(0))
+_key("data.partitioner", "data.partitioner", _choice(PARTITIONERS))
+_key("data.partition-by", "data.partition_by", _nonempty())
+_key("data.dirichlet-alpha", "data.dirichlet_alpha", _float(0.0, strict=True))
+_key("data.split", "data.split", _nonempty())
+_key("data.problem-column", "data.problem_column", _nonempty())
+_key("data.answer-column", "data.answer_column", _nonempty())
+_key("data.eval-path", "data.eval_path", (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for a seeded split of data.path"))
+_key("data.eval-split", "data.eval_split", (str, lambda v: True, "a split name, or '' for data.split"))
 _key("rollout.backend", "rollout.backend", _choice(BACKENDS))
 _key("rollout.per-round", "rollout.per_round", _int(1))
 _key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
@@ -293,6 +313,8 @@ _key("strategy.multiplier", "strategy.multiplier",
 _key("strategy.candidates", "strategy.candidates",
      (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"))
 _key("strategy.trust-budget", "strategy.trust_budget", _float(0.0, strict=False))
+_key("strategy.fraction-train", "strategy.fraction_train", _float(0.0, strict=True, hi=1.0))
+_key("strategy.min-train-clients", "strategy.min_train_clients", _int(1))
 _key("cache.rollouts", "cache.rollouts", _int(1))
 _key("cache.positions", "cache.positions", _int(1))
 _key("cache.top-k", "cache.top_k", _int(1))
@@ -302,6 +324,7 @@ _key("eval.samples", "eval.samples", _int(1))
 _key("eval.temperature", "eval.temperature", _float(0.0, strict=True))
 _key("eval.top-p", "eval.top_p", _float(0.0, strict=True, hi=1.0))
 _key("eval.max-new-tokens", "eval.max_new_tokens", _int(1))
+_key("eval.fraction", "eval.fraction", _float(0.0, strict=True, hi=1.0))
 _key("timeout.train", "timeout.train", _float(0.0, strict=True))
 _key("timeout.score", "timeout.score", _float(0.0, strict=True))
 _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
@@ -433,6 +456,17 @@ def _check_cross(cfg: RunConfig) -> None:
             f"run config 'eval.every' = {cfg.eval.every} needs held-out problems per client, which "
             f"'data.name' = {cfg.data.name!r} does not have; allowed: 0 (evaluate with python -m eval.run), "
             f"or data.name one of {', '.join(repr(d) for d in with_heldout)}"
+        )
+    prompt_set = PROMPT_SETS[cfg.data.name]
+    if cfg.data.partitioner not in prompt_set.partitioners:
+        raise ConfigError(
+            f"run config 'data.partitioner' = {cfg.data.partitioner!r} is not defined for 'data.name' = "
+            f"{cfg.data.name!r}; allowed: {', '.join(repr(p) for p in prompt_set.partitioners)}"
+        )
+    if cfg.num_clients and cfg.strategy.min_train_clients > cfg.num_clients:
+        raise ConfigError(
+            f"run config 'strategy.min-train-clients' = {cfg.strategy.min_train_clients} exceeds 'num-clients' = "
+            f"{cfg.num_clients}; allowed: at most the number of clients"
         )
     if cfg.rollout.backend in ("vllm", "auto"):  # auto may pick vLLM on a GPU host
         from fedopd.rollout_vllm import check_vllm_sampling

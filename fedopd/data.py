@@ -282,14 +282,20 @@ class PromptSet:
 
     train_rows: Callable[..., list[dict]]
     heldout_rows: Callable[..., list[dict]] | None = None
+    partitioners: tuple[str, ...] = ("groups",)  # the data.partitioner values it supports
 
 
 DATASETS: dict[str, PromptSet] = {}
 
 
-def register_dataset(name: str, train_rows: Callable[..., list[dict]], heldout_rows: Callable[..., list[dict]] | None = None) -> None:
+def register_dataset(
+    name: str,
+    train_rows: Callable[..., list[dict]],
+    heldout_rows: Callable[..., list[dict]] | None = None,
+    partitioners: tuple[str, ...] = ("groups",),
+) -> None:
     """Make ``data.name = name`` valid (the run config reads its allowed names from here)."""
-    DATASETS[name] = PromptSet(train_rows, heldout_rows)
+    DATASETS[name] = PromptSet(train_rows, heldout_rows, tuple(partitioners))
 
 
 def _sandbox_train(data, partition_id: int, num_partitions: int) -> list[dict]:
