@@ -45,19 +45,25 @@ class TrainRequest:
     keeps its own adapter: a client without state restores its saved one), ``"centralized"``
     (one learner on the pooled prompts of every partition, with their combined rollouts per
     round). ``build_scoring_cache``: build the scoring cache for a score query (FedTOPS).
-    A message without these keys (one made by hand) asks for a federated learner with a cache.
+    ``pooled_clients``: the centralized learner takes the rollouts per round of that many clients
+    (the round's sampled ones; 0: every partition). A message without these keys (one made by
+    hand) asks for a federated learner with a cache.
     """
 
     server_round: int
     learner: str = "federated"
     build_scoring_cache: bool = True
+    pooled_clients: int = 0
 
     @classmethod
     def from_config(cls, config) -> TrainRequest:
         learner = str(config.get("learner", cls.learner))
         if learner not in LEARNERS:
             raise ValueError(f"train message: 'learner' = {learner!r}; allowed: {', '.join(map(repr, LEARNERS))}")
-        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)))
+        pooled = int(config.get("pooled-clients", 0))
+        if pooled < 0:
+            raise ValueError(f"train message: 'pooled-clients' = {pooled}; allowed: an integer >= 0")
+        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), pooled)
 
     @property
     def pooled(self) -> bool:
@@ -75,7 +81,7 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     request = TrainRequest.from_config(config)
     server_round = request.server_round
     models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled)
-    per_round, steps_per_round, total_steps = cfg.learner_budget(num if request.pooled else 1)
+    per_round, steps_per_round, total_steps = cfg.learner_budget((request.pooled_clients or num) if request.pooled else 1)
     theta = from_record(content["arrays"])
     # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
     # may number differently: its state is the learner's, not a partition's.

@@ -42,16 +42,22 @@ def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
     return builder
 
 
-def make_strategy(cfg: StrategySettings, *, num_clients: int) -> Strategy:
-    """The strategy registered as ``strategy.name``: all ``num_clients`` clients train every round
-    (Centralized: one learner, with all of them connected)."""
+def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0) -> Strategy:
+    """The strategy registered as ``strategy.name``.
+
+    Sampling is Flower's ``FedAvg``: each round trains ``max(int(fraction_train × connected),
+    min_train_nodes)`` nodes drawn at random (``strategy.fraction-train``,
+    ``strategy.min-train-clients``; Centralized: one learner with the rollouts of that many). The
+    first round waits until ``num_clients`` nodes are connected. The draw of round t depends only
+    on ``seed``, t and the connected node ids (:meth:`ReplyScreening.configure_train`).
+    """
     if cfg.name not in STRATEGIES:
         allowed = ", ".join(repr(n) for n in STRATEGIES)
         raise ValueError(f"strategy.name = {cfg.name!r}; allowed: {allowed}")
     common = dict(
-        fraction_train=1.0,
+        fraction_train=cfg.fraction_train,
         fraction_evaluate=0.0,  # no federated evaluation round: held-out evaluation is the app's own phase
-        min_train_nodes=num_clients,
+        min_train_nodes=min(cfg.min_train_clients, num_clients),
         min_available_nodes=num_clients,
     )
     # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design,
@@ -60,6 +66,8 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int) -> Strategy:
     level = flwr_logger.level
     flwr_logger.setLevel(logging.ERROR)
     try:
-        return STRATEGIES[cfg.name](cfg, common)
+        strategy = STRATEGIES[cfg.name](cfg, common)
+        strategy.sampling_seed = seed
+        return strategy
     finally:
         flwr_logger.setLevel(level)

@@ -6,21 +6,23 @@
   about their adapter (as in deployment, where a fresh ClientApp serves each message). The run
   reports the mean over clients of their own adapters' scores ("Local mean").
 * :class:`Centralized` (``strategy.name = 'centralized'``): one learner on the pooled prompts of
-  all clients, with the clients' combined rollouts per round and the same mini-batch (its train
-  messages say ``learner = 'centralized'``; the ClientApp side: ``client_app/handlers.py``). The
-  server trains one node, the one with the smallest node id, and takes its adapter as the global
-  one (a = 1).
+  all clients, with the combined rollouts per round of the clients the round samples and the same
+  mini-batch (its train message says ``learner = 'centralized'`` and ``pooled-clients``; the
+  ClientApp side: ``client_app/handlers.py``). The server trains one node, the sampled one with
+  the smallest node id, and takes its adapter as the global one (a = 1).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.lora import Named, from_record
 from fedtops_strategy.screening import ReplyScreening
+
+POOLED_CLIENTS = "pooled-clients"  # Centralized's train config: whose rollouts per round it takes
 
 
 class LocalTraining(ReplyScreening, FedAvg):
@@ -69,4 +71,12 @@ class Centralized(ReplyScreening, FedAvg):
     learner = "centralized"
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
-        return sorted(messages, key=lambda m: m.metadata.dst_node_id)[:1]
+        """One train message, to the sampled node with the smallest id; its config asks for the
+        rollouts of every sampled client (``pooled-clients``)."""
+        first = sorted(messages, key=lambda m: m.metadata.dst_node_id)[0]
+        content = RecordDict({key: value for key, value in first.content.items()})
+        config = ConfigRecord(dict(first.content[self.configrecord_key]))
+        config[POOLED_CLIENTS] = len(messages)
+        content[self.configrecord_key] = config
+        return [Message(content=content, message_type=first.metadata.message_type,
+                        dst_node_id=first.metadata.dst_node_id, group_id=first.metadata.group_id)]

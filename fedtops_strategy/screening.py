@@ -18,6 +18,7 @@ the strategy's name (``client_app/handlers.py`` reads it):
 from __future__ import annotations
 
 import math
+import random
 import time
 from logging import WARNING
 from typing import Any, Iterable, Sequence
@@ -80,6 +81,19 @@ def missing_replies(sent: Sequence[Message], replies: Sequence[Message], phase: 
     return out
 
 
+class _SortedNodes:
+    """A view of a Grid whose ``get_node_ids`` is sorted (Flower samples from that list's order)."""
+
+    def __init__(self, grid) -> None:
+        self._grid = grid
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(int(n) for n in self._grid.get_node_ids())
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+
 class ReplyScreening:
     """Mixin for a Flower ``FedAvg`` subclass: screens train replies, records rounds.
 
@@ -92,6 +106,7 @@ class ReplyScreening:
     strategy_name = "fedavg"
     learner = "federated"
     builds_scoring_cache = False
+    sampling_seed = 0  # the run's seed (make_strategy): which nodes round t samples
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -109,14 +124,31 @@ class ReplyScreening:
             # waits for the clients the strategy was made for (``num-clients``).
             self.first_round = server_round
         elif server_round != self.first_round:
-            # From then on a round trains the clients that are connected, so a lost client
-            # never stalls the run.
-            self.min_available_nodes = self.min_train_nodes = 1
+            # From then on a round samples from the clients that are connected, so a lost
+            # client never stalls the run.
+            self.min_available_nodes = self.min_train_nodes
         config["learner"] = self.learner
         config["build-scoring-cache"] = self.builds_scoring_cache
-        messages = self.prepare_messages(list(super().configure_train(server_round, arrays, config, grid)), arrays)
+        sampled = self._sample(server_round, arrays, config, grid)
+        messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
+        self.sampled_node_ids = sorted(int(m.metadata.dst_node_id) for m in sampled)
         return messages
+
+    def _sample(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> list[Message]:
+        """Flower's FedAvg sampling with a draw that depends only on ``sampling_seed``, the round
+        and the connected node ids (in sorted order), and leaves Python's global ``random`` as it was."""
+        saved, min_train = random.getstate(), self.min_train_nodes
+        random.seed(f"fedtops-sampling:{self.sampling_seed}:{server_round}")
+        if server_round == self.first_round:
+            # Flower sizes the sample on the nodes connected *before* it waits for
+            # min_available_nodes; the first round samples from the num-clients it waits for.
+            self.min_train_nodes = max(min_train, int(self.min_available_nodes * self.fraction_train))
+        try:
+            return list(super().configure_train(server_round, arrays, config, _SortedNodes(grid)))
+        finally:
+            random.setstate(saved)
+            self.min_train_nodes = min_train
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """The train messages as sent (a subclass may replace or drop some); by default unchanged."""
@@ -141,6 +173,8 @@ class ReplyScreening:
         self.records[server_round] = {
             "round": server_round,
             "strategy": self.strategy_name,
+            "sampled-node-ids": list(getattr(self, "sampled_node_ids", [])),
+            "trained-node-ids": sorted(c["node-id"] for c in clients),
             "candidates": None,
             "teacher_scores": None,
             "change_scores": None,

@@ -130,7 +130,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     arrays, lora_config = initial_adapter(cfg)
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed)
     if cfg.resume_from:
         run, done = open_resumed_run(cfg, lora_config, resolved)
         if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
@@ -172,6 +172,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
             record["seconds"] = time.perf_counter() - strategy.round_started
             record["server-rss-mb"] = rss_mb()
+            record["excluded-node-ids"] = sorted({int(e["node-id"]) for e in record.get("excluded", [])})
             if per_client:
                 for pid, named in strategy.client_adapters().items():
                     run.save_adapter(server_round, named, client=pid)
@@ -180,7 +181,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
             started = time.perf_counter()
             record["evaluation"] = evaluate_round(
-                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=per_client, timeout=cfg.timeout.evaluate
+                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=per_client,
+                timeout=cfg.timeout.evaluate, fraction=cfg.eval.fraction, seed=cfg.seed,
             )
             record["eval_seconds"] = time.perf_counter() - started
         if server_round > 0 or "evaluation" in record:

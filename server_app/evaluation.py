@@ -9,6 +9,7 @@ for Local the plain mean over clients ("Local mean"). Per-client values are kept
 from __future__ import annotations
 
 import math
+import random
 from logging import WARNING
 from typing import Any, Callable, Iterable
 
@@ -23,6 +24,17 @@ EVALUATE = "evaluate"
 def is_evaluation_round(server_round: int, every: int, num_rounds: int) -> bool:
     """Rounds 0, every, 2·every, ... and the last round; never when ``every`` is 0."""
     return every > 0 and (server_round % every == 0 or server_round == num_rounds)
+
+
+def evaluation_nodes(node_ids, fraction: float, seed: int, server_round: int) -> list[int]:
+    """The nodes that evaluate in ``server_round``, sorted: all of them when ``fraction`` is 1,
+    else ``max(1, int(fraction × connected))`` drawn without replacement, the draw depending only
+    on ``seed``, the round and the node ids."""
+    nodes = sorted(int(n) for n in node_ids)
+    if fraction >= 1.0 or not nodes:
+        return nodes
+    count = max(1, int(len(nodes) * fraction))
+    return sorted(random.Random(f"fedtops-eval:{seed}:{server_round}").sample(nodes, count))
 
 
 def aggregate_evaluation(clients: list[dict[str, Any]], *, weighted: bool) -> dict[str, float]:
@@ -40,9 +52,14 @@ def evaluate_round(
     *,
     local_mean: bool,
     timeout: float,
+    fraction: float = 1.0,
+    seed: int = 0,
 ) -> dict[str, Any] | None:
-    """Evaluate on every connected node; the round record's ``evaluation`` (None if no reply)."""
-    nodes = sorted(int(n) for n in grid.get_node_ids())
+    """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
+
+    All of them by default; with ``fraction`` < 1 (``eval.fraction``), :func:`evaluation_nodes`.
+    """
+    nodes = evaluation_nodes(grid.get_node_ids(), fraction, seed, server_round)
     messages = [
         Message(
             content=RecordDict({"arrays": arrays_for(n), "config": ConfigRecord({"server-round": server_round})}),

@@ -82,7 +82,8 @@ def _run(strategy, grid, rounds=1):
 
 
 def _common(n):
-    return dict(fraction_evaluate=0.0, min_train_nodes=n, min_available_nodes=n)
+    # As make_strategy builds them by default: wait for n nodes, then train every connected one.
+    return dict(fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=n)
 
 
 # Updates chosen so that every value is exact in fp32: weights 1 and 3 give the mean 1.75.
