@@ -2,6 +2,7 @@
 
     python -m eval.sandbox [--lrs 3e-4,3e-3] [--methods local,centralized,fedavg,fixed3,fixed10,fedtops]
                            [--seeds 0,1] [--rounds 10] [--eval-every 5] [--jobs 2] [--out sandbox-results]
+                           [--run-config "num-clients=12 data.partitioner='dirichlet' ..."]
 
 Every run goes through the app's own ServerApp, ClientApp and strategies (in process, see
 :mod:`server_app.inprocess`) on the sandbox preset, changing only ``train.lr``, ``seed``, the
@@ -10,6 +11,11 @@ rollouts per round (Centralized: the clients' combined rollouts in one learner) 
 mini-batch. Held-out evaluation runs every ``--eval-every`` rounds and in the last round.
 ``--jobs`` runs that many grid cells at once in worker processes with one torch thread each (the
 sandbox models are small enough that two single-threaded runs beat one two-threaded run).
+
+``--run-config`` (repeatable, exactly as for ``flwr run``) changes the setting every cell runs in:
+the number of clients (``num-clients``, default 3), the partitioner, ``strategy.fraction-train``,
+the evaluation, ... The grid's own keys (the method's, ``train.lr``, ``seed``,
+``num-server-rounds``, ``eval.every``) come from the grid's options and cannot be overridden.
 
 Writes to ``--out``: ``runs/<method>-lr<lr>-seed<seed>/<run folder>`` (a finished run with the
 same configuration is reused, an unfinished one is left alone and run again), ``results.json``
@@ -46,9 +52,15 @@ DEFAULT_ROUNDS = 10
 DEFAULT_EVAL_EVERY = 5
 
 
-def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path) -> dict[str, Any]:
-    """The sandbox preset with this grid cell's method, learning rate, seed and length."""
+GRID_KEYS = ("strategy.name", "strategy.multiplier", "train.lr", "seed", "num-server-rounds", "eval.every", "output-dir", "preset")
+
+
+def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path,
+               setting: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sandbox preset with ``setting`` (``--run-config``) and this grid cell's method, learning
+    rate, seed and length."""
     return {
+        **(setting or {}),
         **METHODS[method],
         "train.lr": lr,
         "seed": seed,
@@ -195,7 +207,7 @@ def _run_cell(config: dict[str, Any]) -> tuple[Path, float]:
     from server_app.inprocess import run_in_process
 
     t0 = time.perf_counter()
-    return run_in_process(config), time.perf_counter() - t0
+    return run_in_process(config, num_clients=int(config.get("num-clients") or 3)), time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
     p.add_argument("--jobs", type=int, default=2, help="grid cells run at once (one torch thread each)")
     p.add_argument("--out", type=Path, default=Path("sandbox-results"))
+    p.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
+                   help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -218,13 +232,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds, --eval-every and --jobs must be >= 1 and every learning rate > 0")
 
     from fedopd.config import ConfigError, parse_run_config
+    from fedopd.presets import overrides_from_args
 
     cells = [(m, lr, s) for lr in args.lrs for m in methods for s in args.seeds]
     configs = {}
     try:  # every configuration is valid before the first run starts
+        setting = overrides_from_args(args.run_config) if args.run_config else {}
+        fixed = sorted(set(setting) & set(GRID_KEYS))
+        if fixed:
+            raise ConfigError(f"--run-config sets {', '.join(repr(k) for k in fixed)}, which the grid sets itself; "
+                              "use --methods, --lrs, --seeds, --rounds, --eval-every and --out")
         for m, lr, s in cells:
             folder = args.out / "runs" / f"{m}-lr{lr:g}-seed{s}"
-            configs[m, lr, s] = (folder, run_config(m, lr, s, args.rounds, args.eval_every, folder))
+            configs[m, lr, s] = (folder, run_config(m, lr, s, args.rounds, args.eval_every, folder, setting))
             parse_run_config(configs[m, lr, s][1])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

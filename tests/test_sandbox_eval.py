@@ -40,6 +40,20 @@ def test_a_finished_run_with_the_same_config_is_reused_and_an_unfinished_one_is_
     assert sandbox.finished_run(tmp_path, {**config, "train.lr": 2e-3}) is None  # another cell
 
 
+def test_run_config_sets_every_cell_and_the_cell_keeps_its_own_method_rate_and_seed(tmp_path):
+    setting = {"num-clients": 12, "data.partitioner": "dirichlet", "strategy.fraction-train": 0.25}
+    config = sandbox.run_config("fixed3", 3e-4, 2, 20, 5, tmp_path, setting)
+    assert {k: config[k] for k in setting} == setting
+    assert (config["strategy.name"], config["strategy.multiplier"], config["train.lr"], config["seed"]) == ("fixed", 3.0, 3e-4, 2)
+    assert (config["num-server-rounds"], config["eval.every"]) == (20, 5)
+
+
+def test_run_config_may_not_set_a_key_of_the_grid(tmp_path, capsys):
+    code = sandbox.main(["--run-config", "train.lr=0.1", "--out", str(tmp_path / "out")])
+    assert code == 1 and "'train.lr'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
+
+
 def test_the_round_increment_is_recovered_from_the_adapters_and_the_recorded_multiplier():
     prev = {"a": np.array([1.0, 2.0], np.float32)}
     delta = recover_increment(prev, {"a": np.array([4.0, 2.0 - 3.0], np.float32)}, 3.0)
