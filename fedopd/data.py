@@ -1,6 +1,14 @@
-"""Client prompts: the prompt sets by name (:data:`DATASETS`), prompt rendering, and the per-round loader.
+"""Client prompts: the prompt sets by name (:data:`DATASETS`), their client partitions, prompt
+rendering, and the per-round loader.
 
-A new prompt set is one loader function and one :func:`register_dataset` line.
+A new prompt set is one loader function and one :func:`register_dataset` line. The built-in sets:
+``sandbox`` and ``math`` (every ``data.partitioner``), ``tiny-arith`` (``groups`` only) and
+``prompts``, your own files or hub dataset (:mod:`fedopd.data_prompts`; ``iid``, ``dirichlet``,
+``natural``). ``data.partitioner = 'groups'`` is each set's own fixed split (the paper's); the
+others are Flower Datasets' partitioners over a seeded sample of the set's pool
+(:mod:`fedopd.data_partition`), computed once per process (:func:`partitions`).
+:func:`check_prompt_set` validates a configuration before round 1, and
+``python -m fedopd.data describe`` prints (and ``--plot`` draws) the partitions.
 
 A row is a dict with at least ``problem`` and ``answer`` (the gold answer as a string). Prompts
 are rendered as in the paper: the problem, a newline, :data:`INSTRUCTION`, as one user
@@ -11,11 +19,15 @@ truncated.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
+
+from fedopd.config import PARTITIONERS, DataSettings
+from fedopd.data_partition import allocate as _allocate
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TINY_ARITH_GROUPS = ("addition", "subtraction", "multiplication")
@@ -185,15 +197,20 @@ def _normalize_problem(text: str) -> str:
     return " ".join(text.split())
 
 
-def _allocate(sizes: list[int], total: int) -> list[int]:
-    """Proportional allocation of ``total`` over strata of ``sizes`` (largest remainder)."""
-    n = sum(sizes)
-    exact = [total * s / n for s in sizes]
-    counts = [int(e) for e in exact]
-    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
+def clean_math_rows(rows: Sequence[dict]) -> list[dict]:
+    """MATH rows that have an extractable ``\\boxed{}`` answer (added as ``answer``), without
+    repeats of a problem already seen (up to white space; the first occurrence is kept)."""
+    from fedopd.grading import last_boxed
+
+    seen, clean = set(), []
+    for row in rows:
+        answer = last_boxed(row.get("solution") or "")
+        key = _normalize_problem(row.get("problem") or "")
+        if not answer or not key or key in seen:
+            continue
+        seen.add(key)
+        clean.append({**row, "answer": answer})
+    return clean
 
 
 def partition_math(rows: Sequence[dict], prompts_per_client: int, seed: int) -> list[list[dict]]:
@@ -206,17 +223,7 @@ def partition_math(rows: Sequence[dict], prompts_per_client: int, seed: int) -> 
     rows sampled without replacement, allocated to its (subject, level) strata in proportion to
     their sizes, deterministic in ``seed``. Returned rows keep their fields and add ``answer``.
     """
-    from fedopd.grading import last_boxed
-
-    seen, clean = set(), []
-    for row in rows:
-        answer = last_boxed(row.get("solution") or "")
-        key = _normalize_problem(row.get("problem") or "")
-        if not answer or not key or key in seen:
-            continue
-        seen.add(key)
-        clean.append({**row, "answer": answer})
-
+    clean = clean_math_rows(rows)
     clients = []
     for index, subjects in enumerate(MATH_CLIENT_GROUPS):
         pool = [r for r in clean if r.get("type") in subjects]
@@ -298,15 +305,26 @@ def register_dataset(
     DATASETS[name] = PromptSet(train_rows, heldout_rows, tuple(partitioners))
 
 
+def _check_partition_id(partition_id: int, num_partitions: int) -> None:
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is not in [0, num-partitions = {num_partitions})")
+
+
 def _sandbox_train(data, partition_id: int, num_partitions: int) -> list[dict]:
     from fedopd.sandbox import task
 
+    if data.partitioner != "groups":
+        _check_partition_id(partition_id, num_partitions)
+        return list(partitions(data, num_partitions)[partition_id])
     return task.client_partition(partition_id, num_partitions, data.prompts_per_client, data.seed)
 
 
 def _sandbox_heldout(data, partition_id: int, num_partitions: int, count: int) -> list[dict]:
     from fedopd.sandbox import task
 
+    if data.partitioner != "groups":
+        _check_partition_id(partition_id, num_partitions)
+        return list(heldout_partitions(data, num_partitions, count)[partition_id])
     return task.client_heldout(partition_id, num_partitions, count)
 
 
@@ -320,12 +338,269 @@ def math_partitions(path: str, prompts_per_client: int, seed: int) -> tuple[tupl
     return tuple(tuple(p) for p in partition_math(load_math_rows(path), prompts_per_client, seed))
 
 
-def _math_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+def _check_math_groups(num_partitions: int) -> None:
     if num_partitions != len(MATH_CLIENT_GROUPS):
         raise ValueError(f"data.name = 'math' has {len(MATH_CLIENT_GROUPS)} subject-group clients; num-partitions is {num_partitions}")
+
+
+def _math_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+    if data.partitioner != "groups":
+        _check_partition_id(partition_id, num_partitions)
+        return list(partitions(data, num_partitions)[partition_id])
+    _check_math_groups(num_partitions)
     return list(math_partitions(data.path, data.prompts_per_client, data.seed)[partition_id])
 
 
-register_dataset("sandbox", _sandbox_train, _sandbox_heldout)
+def _prompts_train(data, partition_id: int, num_partitions: int) -> list[dict]:
+    _check_partition_id(partition_id, num_partitions)
+    return list(partitions(data, num_partitions)[partition_id])
+
+
+def _prompts_heldout(data, partition_id: int, num_partitions: int, count: int) -> list[dict]:
+    _check_partition_id(partition_id, num_partitions)
+    return list(heldout_partitions(data, num_partitions, count)[partition_id])
+
+
+register_dataset("sandbox", _sandbox_train, _sandbox_heldout, partitioners=PARTITIONERS)
 register_dataset("tiny-arith", _tiny_arith_train)
-register_dataset("math", _math_train)
+register_dataset("math", _math_train, partitioners=PARTITIONERS)
+register_dataset("prompts", _prompts_train, _prompts_heldout, partitioners=("iid", "dirichlet", "natural"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pools of data.partitioner = iid, dirichlet, natural (fedopd.data_partition)
+# ---------------------------------------------------------------------------------------------
+
+
+def sandbox_pool(data: DataSettings, num_partitions: int) -> list[dict]:
+    """ceil(prompts-per-client x num-partitions / 3) training problems of each skill group."""
+    from fedopd.sandbox import task
+
+    need = math.ceil(data.prompts_per_client * num_partitions / len(task.GROUPS))
+    rows: list[dict] = []
+    for group in task.GROUPS:
+        try:
+            rows += task.problems(group, need, data.seed)
+        except ValueError:
+            capacity = task.pool_size(group)
+            raise ValueError(
+                f"data.partitioner = {data.partitioner!r} draws ceil(data.prompts-per-client x num-partitions / "
+                f"{len(task.GROUPS)}) = ceil({data.prompts_per_client} x {num_partitions} / {len(task.GROUPS)}) = {need} "
+                f"training problems of each sandbox skill group, but group {group!r} holds only {capacity}; "
+                f"lower data.prompts-per-client (at most {len(task.GROUPS) * capacity // num_partitions} "
+                f"for num-partitions = {num_partitions}) or num-partitions"
+            ) from None
+    return rows
+
+
+def math_pool(data: DataSettings) -> list[dict]:
+    """The cleaned MATH rows (:func:`clean_math_rows`), ``group`` = the subject (``type``)."""
+    return [{**r, "group": r.get("type")} for r in clean_math_rows(load_math_rows(data.path))]
+
+
+def _pool(data: DataSettings, num_partitions: int) -> tuple[list[dict], str]:
+    """The rows a non-``groups`` partitioner splits, and their name for messages."""
+    if data.name == "sandbox":
+        return sandbox_pool(data, num_partitions), "the sandbox training pool"
+    if data.name == "math":
+        return math_pool(data), f"the MATH rows{f' of data.path = {data.path!r}' if data.path else ''}"
+    if data.name == "prompts":
+        from fedopd.data_prompts import train_pool
+
+        return train_pool(data), f"the training prompts of data.path = '{data.path}'"
+    raise ValueError(f"data.name = {data.name!r} supports only data.partitioner = 'groups'")
+
+
+@lru_cache(maxsize=8)
+def partitions(data: DataSettings, num_partitions: int) -> tuple[tuple[dict, ...], ...]:
+    """Every client's training rows under ``data.partitioner`` (iid, dirichlet, natural), computed
+    once per process for a ``DataSettings`` and a number of partitions.
+
+    A seeded sample (``data.seed``) of at most ``data.prompts-per-client x num_partitions`` rows of
+    the set's pool is partitioned, so clients hold ``data.prompts-per-client`` prompts on average.
+    """
+    from fedopd.data_partition import partition_pool, sample_pool
+
+    rows, source = _pool(data, num_partitions)
+    pool = sample_pool(rows, data.prompts_per_client * num_partitions, data.seed)
+    return tuple(tuple(p) for p in partition_pool(pool, num_partitions, data, source))
+
+
+def _sandbox_heldout_pool(group: str, count: int) -> list[dict]:
+    """``count`` held-out problems of ``group`` (the same in every run), or all there are."""
+    from fedopd.sandbox import task
+
+    try:
+        return task.problems(group, count, task.EVAL_SEED, heldout=True)
+    except ValueError:
+        return task.problems(group, task.pool_size(group, heldout=True), task.EVAL_SEED, heldout=True)
+
+
+@lru_cache(maxsize=8)
+def heldout_partitions(data: DataSettings, num_partitions: int, count: int) -> tuple[tuple[dict, ...], ...]:
+    """Every client's ``count`` held-out rows under a non-``groups`` partitioner.
+
+    Each client's held-out problems follow its training mix over ``data.partition-by`` (the
+    sandbox: over its skill groups), allocated by largest remainder, and are disjoint between
+    clients where the held-out pool allows. None is any client's training problem.
+    """
+    from fedopd.data_partition import demand, heldout_allocation, mix, take_heldout
+
+    parts = partitions(data, num_partitions)
+    if count <= 0:
+        return tuple(() for _ in parts)
+    if data.name == "sandbox":
+        from fedopd.sandbox import task
+
+        allocations = heldout_allocation([mix(p, "group") for p in parts], count, {g: 1 for g in task.GROUPS})
+        pools = {g: _sandbox_heldout_pool(g, n) for g, n in demand(allocations).items()}
+        return tuple(tuple(rows) for rows in take_heldout(allocations, pools))
+    if data.name != "prompts":
+        raise ValueError(f"data.name = {data.name!r} has no held-out problems")
+    from fedopd.data_prompts import heldout_pool
+
+    pool = heldout_pool(data)
+    if not pool:
+        raise ValueError(
+            f"data.name = 'prompts' has no held-out problems: data.path = '{data.path}' is too small for its seeded "
+            f"split (one problem in 5 held out), or every held-out problem is also a training problem; give data.eval-path"
+        )
+    by = data.partition_by
+    if all(r.get(by) is not None for r in pool) and all(r.get(by) is not None for p in parts for r in p):
+        pools: dict[str, list[dict]] = {}
+        for r in pool:
+            pools.setdefault(str(r[by]), []).append(r)
+        mixes = [mix(p, by) for p in parts]
+    else:  # no partition-by column: one mix
+        pools, mixes = {"": pool}, [{"": len(p)} for p in parts]
+    allocations = heldout_allocation(mixes, count, {v: len(rows) for v, rows in pools.items()})
+    return tuple(tuple(rows) for rows in take_heldout(allocations, pools))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before round 1, and python -m fedopd.data describe
+# ---------------------------------------------------------------------------------------------
+
+
+def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int = 0) -> None:
+    """Load and validate the configured prompt set and partition, before round 1 (the ServerApp).
+
+    Every partition must be non-empty (``natural``: one value of ``data.partition-by`` per
+    partition); for ``data.name = 'prompts'`` every file must be readable with its columns and
+    every gold answer parseable by math-verify. With ``heldout_count`` (``eval.prompts-per-client``
+    when the run evaluates), every client must have held-out problems. Raises ``ValueError`` naming
+    the run-config key. Cheap for the built-in sets (``math`` with ``groups`` is not loaded here).
+    """
+    if data.name not in DATASETS:
+        raise ValueError(f"data.name = {data.name!r} is not a registered prompt set; allowed: {', '.join(DATASETS)}")
+    prompt_set = DATASETS[data.name]
+    if data.partitioner not in prompt_set.partitioners:
+        raise ValueError(
+            f"data.partitioner = {data.partitioner!r} is not defined for data.name = {data.name!r}; "
+            f"allowed: {', '.join(repr(p) for p in prompt_set.partitioners)}"
+        )
+    if num_partitions < 1:
+        raise ValueError(f"num-partitions = {num_partitions} must be at least 1")
+    if data.name == "math" and data.partitioner == "groups":
+        _check_math_groups(num_partitions)  # the clients load MATH; the server need not
+        return
+    if data.name == "prompts":
+        from fedopd.data_prompts import check_gold_answers, eval_files, load_prompt_files
+
+        check_gold_answers(load_prompt_files(data.path, data.split, data.problem_column, data.answer_column), data.answer_column)
+        check_gold_answers(eval_files(data), data.answer_column)
+    for pid in range(num_partitions):
+        if not prompt_set.train_rows(data, pid, num_partitions):
+            raise ValueError(f"data.name = {data.name!r}: client partition {pid} of {num_partitions} has no prompts")
+    if heldout_count > 0 and prompt_set.heldout_rows is not None:
+        for pid in range(num_partitions):
+            if not prompt_set.heldout_rows(data, pid, num_partitions, heldout_count):
+                raise ValueError(f"data.name = {data.name!r}: client partition {pid} of {num_partitions} has no held-out problems")
+
+
+def describe(data: DataSettings, num_partitions: int, heldout_count: int = 0) -> str:
+    """Each partition's size and mix over ``data.partition-by`` (and its held-out problems)."""
+    from fedopd.data_partition import describe_partition
+
+    prompt_set = DATASETS[data.name]
+    parts = [prompt_set.train_rows(data, pid, num_partitions) for pid in range(num_partitions)]
+    how = f"data.partitioner = {data.partitioner!r}"
+    if data.partitioner in ("dirichlet", "natural"):
+        how += f", data.partition-by = {data.partition_by!r}"
+    if data.partitioner == "dirichlet":
+        how += f", data.dirichlet-alpha = {data.dirichlet_alpha}"
+    lines = [
+        (f"data.name = {data.name!r}, {how}, data.prompts-per-client = {data.prompts_per_client}, "
+         f"data.seed = {data.seed}: {num_partitions} partitions, {sum(len(p) for p in parts)} prompts")
+    ]
+    for pid, rows in enumerate(parts):
+        lines.append(f"partition {pid}: {describe_partition(rows, data.partition_by)}")
+        if heldout_count > 0 and prompt_set.heldout_rows is not None:
+            try:
+                held = describe_partition(prompt_set.heldout_rows(data, pid, num_partitions, heldout_count), data.partition_by)
+            except ValueError as err:
+                held = f"none ({err})"
+            lines.append(f"  held-out: {held}")
+    return "\n".join(lines)
+
+
+def plot_partitions(data: DataSettings, num_partitions: int, out: str) -> None:
+    """Flower Datasets' per-partition label distribution (over ``data.partition-by``) as a file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from flwr_datasets.visualization import plot_label_distributions
+
+    from fedopd.data_partition import LABEL, fixed_partitioner
+
+    parts = [DATASETS[data.name].train_rows(data, pid, num_partitions) for pid in range(num_partitions)]
+    fig, _, _ = plot_label_distributions(
+        fixed_partitioner(parts, data.partition_by), label_name=LABEL, legend=True, legend_title=data.partition_by, verbose_labels=False,
+        title=f"{data.name}: data.partitioner = {data.partitioner!r}, by {data.partition_by!r}",
+    )
+    fig.savefig(out, bbox_inches="tight")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedopd.data describe [--run-config ...] [--preset NAME] [--num-partitions N] [--plot FILE]``."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from fedopd.config import ConfigError, parse_run_config
+    from fedopd.presets import app_defaults, load_preset, overrides_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m fedopd.data", description="Inspect the client prompt partitions.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    desc = commands.add_parser("describe", help="each partition's size and mix over data.partition-by (and held-out problems)")
+    desc.add_argument("--preset", help="a preset of configs/ (e.g. tiny) or a TOML file of run-config overrides")
+    desc.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
+                      help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    desc.add_argument("--num-partitions", type=int, default=0, help="default: num-clients, or 3")
+    desc.add_argument("--plot", metavar="FILE", help="also draw Flower Datasets' partition plot to FILE (e.g. out.png)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        merged = app_defaults()
+        if args.preset:
+            preset = Path(args.preset)
+            if not preset.is_file():
+                preset = Path(__file__).resolve().parent.parent / "configs" / f"{args.preset}.toml"
+            merged.update(load_preset(preset))
+        if args.run_config:
+            merged.update(overrides_from_args(args.run_config))
+        cfg = parse_run_config(merged)
+        num = args.num_partitions or cfg.num_clients or 3
+        print(describe(cfg.data, num, cfg.eval.prompts_per_client))
+        if args.plot:
+            plot_partitions(cfg.data, num, args.plot)
+            print(f"plot: {args.plot}")
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # python -m fedopd.data describe: run the module's importable copy
+    from fedopd.data import main as _main
+
+    raise SystemExit(_main())

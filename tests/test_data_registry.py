@@ -18,8 +18,8 @@ def squares(monkeypatch):
 
 
 def test_the_registry_holds_the_built_in_prompt_sets_and_which_have_held_out_problems():
-    assert sorted(DATASETS) == ["math", "sandbox", "tiny-arith"]
-    assert [name for name, s in DATASETS.items() if s.heldout_rows is not None] == ["sandbox"]
+    assert sorted(DATASETS) == ["math", "prompts", "sandbox", "tiny-arith"]
+    assert [name for name, s in DATASETS.items() if s.heldout_rows is not None] == ["sandbox", "prompts"]
 
 
 def test_a_registered_prompt_set_is_a_valid_data_name_and_feeds_the_clients(squares):

@@ -155,3 +155,24 @@ def client_heldout(partition_id: int, num_partitions: int, count: int) -> list[d
     """Client i's held-out problems: its group's, from the held-out pool, the same in every run."""
     group, k, sharing = _group_of(partition_id, num_partitions)
     return list(_heldout(group, count * sharing)[k * count : (k + 1) * count])
+
+
+def _problem_space(group: str):
+    """Every problem text of ``group`` that its maker can draw (the operand ranges above)."""
+    if group == "addition":
+        return (f"Compute {a} + {b}." for a in range(10, 1000) for b in range(10, 1000))
+    if group == "multiplication":
+        return (f"Compute {c} * {b}." for c in range(2, 10) for b in range(10, 100))
+    if group == "expression":
+        return (f"Compute ({a} + {b}) * {c}." for a in range(10, 90) for b in range(10, 100 - a) for c in range(2, 10))
+    raise ValueError(f"unknown sandbox group {group!r}; allowed: {', '.join(GROUPS)}")
+
+
+@lru_cache(maxsize=8)
+def pool_size(group: str, *, heldout: bool = False) -> int:
+    """How many distinct problems the training (or held-out) pool of ``group`` holds.
+
+    Multiplication is small (8 x 90 problems, 572 of them for training); counting addition's
+    980,100 problems takes a few seconds (only error messages need it).
+    """
+    return sum(is_heldout(p) == heldout for p in _problem_space(group))
