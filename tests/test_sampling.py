@@ -182,3 +182,25 @@ def test_local_clients_train_only_when_sampled_and_keep_their_own_adapter_betwee
             assert np.all(first_array == expected)
         trained_before |= set(sent)
     assert len(trained_before) > 2  # the rounds sampled different clients, so both cases occurred
+
+
+def test_unequal_dirichlet_client_sizes_are_the_weights_of_delta_and_j():
+    """Four sandbox clients of a Dirichlet(0.3) partition hold different numbers of prompts (their
+    ``num-examples``). Client n returns the constant update n and Ĵ_n = (n, 2n): Δ_t and Ĵ are
+    the size-weighted means Σ s_n n / Σ s_n, computed here in float64."""
+    from fedopd.config import DataSettings
+    from fedopd.data import partitions
+
+    data = DataSettings(partitioner="dirichlet", dirichlet_alpha=0.3, prompts_per_client=16)
+    sizes = [len(p) for p in partitions(data, 4)]
+    assert sum(sizes) == 64 and len(set(sizes)) > 1  # 16 x 4 prompts, split unequally
+    nodes = [1, 2, 3, 4]
+    weights = dict(zip(nodes, sizes))
+    strategy = make_strategy(StrategySettings(name="fedtops", candidates=(1.0, 2.0)), num_clients=4, seed=0)
+    new = _run(strategy, FakeGrid(_updates(nodes), weights, {n: _scores(n) for n in nodes}))
+    s, x = np.array(sizes, dtype=np.float64), np.array(nodes, dtype=np.float64)
+    weighted = float((s * x).sum() / s.sum())
+    assert abs(weighted - x.mean()) > 0.1  # the sizes matter: the plain mean would be 2.5
+    assert strategy.records[1]["teacher_scores"] == pytest.approx([weighted, 2 * weighted], rel=1e-12)
+    for got in new:
+        np.testing.assert_allclose(got, weighted, rtol=0, atol=sum_error(16) * 4)
