@@ -28,6 +28,7 @@ from server_app.grid import PromptGrid
 from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
 from server_app.progress import FIGURE, TensorBoardLog, draw, run_summary, run_title
 from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config
+from server_app.traffic import round_communication
 
 app = ServerApp()
 
@@ -122,14 +123,15 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     the global adapter saved there (the clients restore their own state, ``client_app/client_state.py``).
     """
     grid = PromptGrid(grid, on_reply=log_reply)
+    # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
+    num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
+    check_data(cfg, num_clients)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
     log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
     resolved = {"rollout.stop-tokens": stop.as_record()}
     arrays, lora_config = initial_adapter(cfg)
-    # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
-    num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed)
     if cfg.resume_from:
         run, done = open_resumed_run(cfg, lora_config, resolved)
@@ -153,6 +155,24 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         raise
 
 
+def check_data(cfg: RunConfig, num_partitions: int) -> None:
+    """The prompt set and its partition over ``num_partitions`` clients, before anything is
+    written (:func:`fedopd.data.check_prompt_set`): empty partitions, a partition-by column that
+    is not there, too few sandbox problems, files without their columns, gold answers that
+    math-verify cannot parse. ``data.name = 'prompts'`` files that are not on this host (a hub id,
+    or files that only the clients hold) are checked by each client when it loads them."""
+    from fedopd.data import check_prompt_set
+
+    if cfg.data.name == "prompts" and not Path(cfg.data.path).expanduser().exists():
+        log(INFO, "data.path = '%s' is not a local path here; each client checks its prompts when it loads them", cfg.data.path)
+        return
+    try:
+        check_prompt_set(cfg.data, num_partitions, cfg.eval.prompts_per_client if cfg.eval.every else 0)
+    except (ValueError, OSError) as err:
+        log(ERROR, "FedTOPS: the prompt set cannot be used, nothing was run or written: %s", err)
+        raise ConfigError(str(err)) from None
+
+
 def per_client_adapters(strategy) -> bool:
     """Whether each client keeps an adapter of its own and there is no global one (Local)."""
     return hasattr(strategy, "client_adapters")
@@ -164,8 +184,10 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
     title = run_title(cfg.to_run_config())
     tensorboard = TensorBoardLog(run.path / "tensorboard") if cfg.logging.tensorboard else None
 
-    def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True):
-        """Save the round's adapters, evaluate on the held-out prompts when due, write the record."""
+    def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True, traffic: dict | None = None):
+        """Save the round's adapters, evaluate on the held-out prompts when due, write the record
+        (with ``traffic``, the bytes per node of the phases run so far, and the evaluation's)."""
+        traffic = dict(traffic or {})
         if server_round == 0:
             record = {"round": 0, "strategy": cfg.strategy.name}
         else:
@@ -185,6 +207,9 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 timeout=cfg.timeout.evaluate, fraction=cfg.eval.fraction, seed=cfg.seed,
             )
             record["eval_seconds"] = time.perf_counter() - started
+            traffic["evaluate"] = grid.last_traffic
+        if traffic:
+            record["communication"] = round_communication(traffic)
         if server_round > 0 or "evaluation" in record:
             run.append_round(record)
             run.write_status("running", server_round)
@@ -213,12 +238,14 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
         messages = strategy.configure_train(server_round, global_arrays, config, grid)
         replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
+        traffic = {"train": grid.last_traffic}  # bytes per node and phase, for the round record
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
 
         # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
         if new_arrays is not None and hasattr(strategy, "configure_score"):
             messages = strategy.configure_score(server_round, strategy.increment, grid)
             replies = grid.send_and_receive(messages, timeout=cfg.timeout.score)
+            traffic["score"] = grid.last_traffic
             new_arrays, _ = strategy.aggregate_score(server_round, replies)
         if new_arrays is not None:
             global_arrays = new_arrays
@@ -227,7 +254,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         record = strategy.records.get(server_round, {})
         failed_rounds = 0 if record.get("clients") else failed_rounds + 1
         failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record)
-        after_round(server_round, global_arrays, evaluate=failure is None)  # the round is recorded, excluded reasons and all
+        after_round(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # the round is recorded, excluded reasons and all
         if failure is not None:
             raise failure
     if tensorboard is not None:

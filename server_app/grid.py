@@ -6,6 +6,10 @@ last client answered. :class:`PromptGrid` wraps any Grid and waits with short, g
 (50 ms doubling to 250 ms): a reply is taken at most 250 ms after it reaches the SuperLink, at
 the cost of four small requests per second to it while a phase runs. Everything else is the
 wrapped Grid's.
+
+It also measures each phase's traffic: the bytes of every message it sends (before the push) and
+of every reply it returns, per node (:mod:`server_app.traffic`), kept in :attr:`PromptGrid.last_traffic`
+until the next ``send_and_receive``.
 """
 
 from __future__ import annotations
@@ -16,16 +20,23 @@ from typing import Callable, Iterable
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
+from server_app.traffic import phase_traffic, sent_bytes
+
 FIRST_POLL_S = 0.05
 MAX_POLL_S = 0.25
 
 
 class PromptGrid(Grid):
-    """``on_reply(message)``, when set, is called for each reply as it is taken (progress lines)."""
+    """``on_reply(message)``, when set, is called for each reply as it is taken (progress lines).
+
+    ``last_traffic``: the last ``send_and_receive``'s bytes per node, sorted by node id
+    (``[{"node-id", "sent", "received"}]``, :func:`server_app.traffic.phase_traffic`).
+    """
 
     def __init__(self, grid: Grid, on_reply: Callable[[Message], None] | None = None) -> None:
         self.grid = grid.grid if isinstance(grid, PromptGrid) else grid
         self.on_reply = on_reply
+        self.last_traffic: list[dict[str, int]] = []
 
     def set_run(self, run_id: int) -> None:
         self.grid.set_run(run_id)
@@ -47,8 +58,14 @@ class PromptGrid(Grid):
         return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Push ``messages`` and return the replies that arrive within ``timeout`` seconds."""
-        pending = set(self.push_messages(messages))
+        """Push ``messages`` and return the replies that arrive within ``timeout`` seconds;
+        their bytes per node are left in :attr:`last_traffic`."""
+        messages = list(messages)
+        self.last_traffic = []
+        sizes = sent_bytes(messages)  # before the push: what leaves is the content as it is now
+        ids = list(self.push_messages(messages))  # in order; None (or none at all) for one not pushed
+        pushed = [(m, size) for m, size, i in zip(messages, sizes, ids) if i is not None]
+        pending = {i for i in ids if i is not None}
         end = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         poll = FIRST_POLL_S
@@ -66,6 +83,7 @@ class PromptGrid(Grid):
                 break
             time.sleep(poll if left is None else min(poll, left))
             poll = min(2 * poll, MAX_POLL_S)
+        self.last_traffic = phase_traffic([m for m, _ in pushed], replies, [size for _, size in pushed])
         return replies
 
     def __getattr__(self, name: str):

@@ -1,4 +1,5 @@
-"""The ServerApp's log lines: one per client reply as it arrives, one per round.
+"""The ServerApp's log lines: one per client reply as it arrives, one per round (with the
+round's bytes sent to and received from its clients).
 
 Each is a pure function of a reply message or a round record (``rounds.jsonl``), so what a run
 shows with ``flwr run --stream`` can be tested on hand-made inputs.
@@ -9,6 +10,8 @@ from __future__ import annotations
 from logging import INFO
 
 from flwr.common.logger import log
+
+from server_app.traffic import human_bytes
 
 
 def evaluation_summary(evaluation: dict | None) -> str:
@@ -57,10 +60,19 @@ def log_reply(msg) -> None:
         log(INFO, "%s", line)
 
 
+def communication_summary(record: dict) -> str:
+    """`` | 2.47 MB sent, 1.24 MB received``: the round's bytes to and from its clients, all phases."""
+    communication = record.get("communication")
+    if not communication:
+        return ""
+    return f" | {human_bytes(communication['sent'])} sent, {human_bytes(communication['received'])} received"
+
+
 def round_summary(record: dict, num_rounds: int) -> str:
     """One readable line per round for ``flwr run --stream``."""
     if record["round"] == 0:
-        return f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
+        return (f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
+                f"{communication_summary(record)}")
     a = record.get("multiplier")
     j = "-"
     if record.get("teacher_scores") and a in (record.get("candidates") or []):
@@ -87,6 +99,6 @@ def round_summary(record: dict, num_rounds: int) -> str:
     a = "-" if a is None else f"{a:g}"
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
-        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))} | "
-        f"{record.get('seconds', 0.0):.1f} s{flags}"
+        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))}"
+        f"{communication_summary(record)} | {record.get('seconds', 0.0):.1f} s{flags}"
     )

@@ -5,7 +5,10 @@ finished run folder: ``python -m server_app.progress RUN_FOLDER`` redraws its fi
 
 Scalars per round (:func:`round_scalars`): held-out greedy accuracy and Avg@k (evaluated rounds),
 the clients' OPD loss at the round's first and last mini-batch (and the exact KL before/after
-with ``train.exact-kl``), FedTOPS's Ĵ at the selected multiplier, the multiplier, round seconds.
+with ``train.exact-kl``), FedTOPS's Ĵ at the selected multiplier, the multiplier, round seconds,
+and the round's communication in MB (10⁶ bytes): sent to and received from the clients, and per
+phase (train, score, evaluate; sent + received). The figure shows the communication cumulated
+over the run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from server_app.traffic import PHASES, human_bytes, run_traffic, totals
+
 FIGURE = "progress.png"
 LABELS = {
     "clients/loss_first": "OPD loss, first mini-batch (at θ_t)",
@@ -22,7 +27,13 @@ LABELS = {
     "clients/kl_before": "KL on all rollouts, before",
     "clients/kl_after": "KL on all rollouts, after",
     "server/teacher_score_selected": "Ĵ(a_t) on the scoring caches",
+    "comm/sent_mb": "sent to the clients",
+    "comm/received_mb": "received from the clients",
+    "comm/train_mb": "train (θ_t out, θ_t,i⁺ back)",
+    "comm/score_mb": "score query (Δ_t out, Ĵ, K̂ back)",
+    "comm/evaluate_mb": "evaluation (adapter out, metrics back)",
 }
+CUMULATIVE = ("comm/sent_mb", "comm/received_mb")  # drawn as running sums over the rounds
 
 
 def _mean(values: Iterable[float]) -> float | None:
@@ -50,11 +61,29 @@ def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
             out["server/teacher_score_selected"] = float(scores[candidates.index(a)])
     if "seconds" in record:
         out["server/round_seconds"] = float(record["seconds"])
+    communication = record.get("communication")
+    if communication:
+        out["comm/sent_mb"] = communication["sent"] / 1e6
+        out["comm/received_mb"] = communication["received"] / 1e6
+        for phase in PHASES:
+            if phase in communication:
+                sent, received = totals(communication[phase])
+                out[f"comm/{phase}_mb"] = (sent + received) / 1e6
     return out
 
 
+def figure_series(rows: list[tuple[int, Mapping[str, float]]], key: str) -> tuple[list[int], list[float]]:
+    """(rounds, values) of scalar ``key`` over ``rows`` of (round, :func:`round_scalars`), the
+    rounds that lack it left out; the :data:`CUMULATIVE` keys as running sums."""
+    points = [(n, s[key]) for n, s in rows if key in s]
+    x, y = [n for n, _ in points], [v for _, v in points]
+    if key in CUMULATIVE:
+        y = [sum(y[: i + 1]) for i in range(len(y))]
+    return x, y
+
+
 def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path:
-    """Write the run's figure (four panels over rounds) atomically to ``path``."""
+    """Write the run's figure (six panels over rounds) atomically to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,31 +93,41 @@ def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path
     rows = [(int(r["round"]), round_scalars(r)) for r in records]
 
     def series(key: str) -> tuple[list[int], list[float]]:
-        points = [(n, s[key]) for n, s in rows if key in s]
-        return [n for n, _ in points], [v for _, v in points]
+        return figure_series(rows, key)
 
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True)
+    fig = Figure(figsize=(15, 7), layout="constrained")
+    axes = fig.subplots(2, 3, sharex=True)
     panels = [
         (axes[0, 0], "held-out accuracy (%)",
          ["heldout/greedy"] + sorted({k for _, s in rows for k in s if k.startswith("heldout/avg@")})),
         (axes[0, 1], "KL to the teacher (nats per token)",
          ["clients/loss_first", "clients/loss_last", "clients/kl_before", "clients/kl_after", "server/teacher_score_selected"]),
-        (axes[1, 0], "selected multiplier a", ["server/multiplier"]),
-        (axes[1, 1], "round time (s)", ["server/round_seconds"]),
+        (axes[0, 2], "selected multiplier a", ["server/multiplier"]),
+        (axes[1, 0], "round time (s)", ["server/round_seconds"]),
+        (axes[1, 1], "communication since round 0 (MB, all clients)", list(CUMULATIVE)),
+        (axes[1, 2], "communication per round by phase (MB, sent + received)", [f"comm/{phase}_mb" for phase in PHASES]),
     ]
+    stacked = axes[1, 2]  # a bar per round, one segment per phase
     for ax, label, keys in panels:
         drawn = False
+        bottom: dict[int, float] = {}
         for key in dict.fromkeys(keys):
             x, y = series(key)
-            if x:
+            if x and ax is stacked:
+                ax.bar(x, y, bottom=[bottom.get(n, 0.0) for n in x], width=0.6, label=LABELS.get(key, key.split("/", 1)[1]))
+                for n, v in zip(x, y):
+                    bottom[n] = bottom.get(n, 0.0) + v
+                drawn = True
+            elif x:
                 ax.plot(x, y, marker="o", ms=3, label=LABELS.get(key, key.split("/", 1)[1]))
                 drawn = True
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if bottom and max(bottom.values()) > 0:
+            ax.set_ylim(0, 1.45 * max(bottom.values()))  # room for the legend above the bars
         if drawn and len(keys) > 1:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left" if bottom else "best")
         if not drawn:
             ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes, alpha=0.6)
     for ax in axes[1]:
@@ -129,7 +168,8 @@ class TensorBoardLog:
 
 
 def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, seconds: float) -> list[str]:
-    """A few lines for the end of a run: rounds, multipliers, held-out accuracy, the folder."""
+    """A few lines for the end of a run: rounds, multipliers, held-out accuracy, the bytes sent to
+    and received from the clients (in all and by phase), the folder."""
     trained = [r for r in records if r["round"] > 0]
     lines = [f"FedTOPS summary: {len(trained)} rounds of {strategy} in {seconds:.0f} s"]
     multipliers = [r.get("multiplier") for r in trained]
@@ -143,6 +183,14 @@ def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, s
             f"  held-out greedy accuracy: {first['evaluation']['accuracy']:.1f}% (round {first['round']}) -> "
             f"{last['evaluation']['accuracy']:.1f}% (round {last['round']})"
         )
+    traffic = run_traffic(records)
+    if "total" in traffic:
+        total = traffic["total"]
+        lines.append(f"  communication: {human_bytes(total['sent'])} sent to clients, {human_bytes(total['received'])} received from them")
+        by_phase = ", ".join(
+            f"{phase} {human_bytes(traffic[phase]['sent'])} / {human_bytes(traffic[phase]['received'])}" for phase in PHASES if phase in traffic
+        )
+        lines.append(f"    by phase (sent / received): {by_phase}")
     lines.append(f"  run folder: {folder}")
     return lines
 

@@ -197,3 +197,46 @@ def test_the_config_refuses_groups_for_prompts_and_accepts_held_out_evaluation()
         parse_run_config({"data.name": "prompts", "data.path": "x.jsonl"})
     cfg = parse_run_config({"data.name": "prompts", "data.path": "x.jsonl", "data.partitioner": "iid", "eval.every": 4})
     assert cfg.data.partitioner == "iid"
+
+
+def test_the_server_stops_before_round_one_on_a_bad_column_and_writes_nothing(tmp_path):
+    from server_app.inprocess import run_in_process
+
+    path = _write(tmp_path / "mine.jsonl", _rows())
+    config = {"data.name": "prompts", "data.path": str(path), "data.partitioner": "iid", "data.problem-column": "problem",
+              "data.answer-column": "solution", "output-dir": str(tmp_path / "runs")}
+    with pytest.raises(ConfigError, match=r"data.problem-column.*mine.jsonl|mine.jsonl.*data.problem-column"):
+        run_in_process(config)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_run_on_your_own_prompts_with_dirichlet_clients_and_sampling(tmp_path):
+    """Sandbox problems written as a JSONL file with boxed solutions, 4 Dirichlet clients over
+    their skill group, half of them sampled per round, evaluated on a seeded held-out split."""
+    from fedopd.sandbox import task
+    from server_app.inprocess import run_in_process
+    from server_app.run_folder import read_rounds
+
+    rows = [{"question": r["problem"], "solution": r["solution"], "skill": r["group"]}
+            for g in task.GROUPS for r in task.problems(g, 40, seed=7)]
+    path = _write(tmp_path / "mine.jsonl", rows)
+    config = {"data.name": "prompts", "data.path": str(path), "data.partitioner": "dirichlet", "data.partition-by": "skill",
+              "data.dirichlet-alpha": 0.5, "data.problem-column": "question", "data.answer-column": "solution",
+              "data.prompts-per-client": 16, "strategy.fraction-train": 0.5, "strategy.name": "fedtops",
+              "num-server-rounds": 2, "rollout.per-round": 4, "rollout.max-new-tokens": 32, "cache.rollouts": 2,
+              "eval.every": 2, "eval.prompts-per-client": 4, "eval.samples": 2, "eval.max-new-tokens": 32,
+              "output-dir": str(tmp_path / "runs")}
+    run = run_in_process(config, num_clients=4)
+    rounds = read_rounds(run)
+    for r in rounds[1:]:
+        assert len(r["sampled-node-ids"]) == 2 and r["trained-node-ids"] == r["sampled-node-ids"]
+        assert r["scored-node-ids"] == r["trained-node-ids"]
+        sizes = [c["num-examples"] for c in r["clients"]]
+        assert sum(sizes) < 64  # two of the four clients
+    partition_sizes = [len(p) for p in data.partitions(parse_run_config(config).data, 4)]
+    assert sum(partition_sizes) == 64 and len(set(partition_sizes)) > 1
+    trained = {c["partition-id"]: c["num-examples"] for r in rounds[1:] for c in r["clients"]}
+    assert all(n == partition_sizes[pid] for pid, n in trained.items())  # num-examples: the client's partition size
+    final = rounds[-1]["evaluation"]
+    assert sorted(c["partition-id"] for c in final["clients"]) == [0, 1, 2, 3]  # every client evaluates

@@ -24,8 +24,9 @@ STRATEGIES = {
     "fixed": {"strategy.name": "fixed", "strategy.multiplier": 3.0},
     "local": {"strategy.name": "local"},
 }
+# ... and the bytes sent: the train config carries the run folder's path (and, once, resume-round)
 TIMING = {"seconds", "eval_seconds", "score_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s", "train_s",
-          "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb"}
+          "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb", "communication"}
 
 
 def _without_timings(value):

@@ -142,3 +142,16 @@ def test_saved_global_adapters_are_theta_plus_the_applied_multiplier_times_the_f
         saved = load_adapter(runs[name][0] / "round-001")
         for n in theta0:
             np.testing.assert_allclose(saved[n], theta0[n] + a * delta[n], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {n}")
+
+
+def test_each_round_records_the_bytes_of_each_phase_per_client(runs):
+    """Through Flower's own Grid: replies are matched to their nodes, the adapter travels both ways."""
+    for name, (_, rounds) in runs.items():
+        for r in rounds:
+            communication = r["communication"]
+            assert set(communication) == {"train", "sent", "received"} | ({"score"} if name == "fedtops" else set())
+            nodes = sorted(c["node-id"] for c in r["clients"])
+            for phase in set(communication) - {"sent", "received"}:
+                assert [e["node-id"] for e in communication[phase]] == nodes
+                assert all(e["sent"] > 10_000 and e["received"] > 0 for e in communication[phase])
+            assert all(e["received"] > 10_000 for e in communication["train"])  # θ_{t,i}^+ back

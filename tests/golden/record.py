@@ -18,7 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TIMING = {"seconds", "eval_seconds", "score_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s",
-          "train_s", "eval_s", "score_s", "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb"}
+          "train_s", "eval_s", "score_s", "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb",
+          "communication"}  # message sizes include the run folder's path, which differs between runs
 
 
 def platform_key() -> dict[str, str]:
