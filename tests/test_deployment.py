@@ -255,3 +255,22 @@ def test_supernodes_in_their_own_network_namespaces_reach_the_superlink_by_addre
     assert len({a for a in fleet}) == 2 and all(a.startswith("10.") for a in fleet)  # one address per SuperNode
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     assert "fedtops-" not in listed  # namespaces removed afterwards
+
+
+def test_a_deployed_round_trains_and_scores_the_sampled_supernodes_only(tmp_path):
+    """Three SuperNodes, strategy.fraction-train = 0.67: each round samples int(0.67 x 3) = 2 of
+    them after waiting for all three (num-clients = 3); FedTOPS queries exactly those, and every
+    round records the bytes each of them was sent and sent back."""
+    done, run = deploy(tmp_path, nodes=3, **{"num-clients": "3", "strategy.fraction-train": "0.67"})
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    work = tmp_path / "work"
+    all_nodes = {_registered_node_id(work, i) for i in range(3)}
+    records = [r for r in rounds(run) if r["round"] > 0]
+    assert [r["round"] for r in records] == [1, 2]
+    for r in records:
+        sampled = r["sampled-node-ids"]
+        assert len(sampled) == 2 and set(sampled) <= all_nodes
+        assert r["trained-node-ids"] == sampled and sorted(r["scored-node-ids"]) == sampled
+        assert [e["node-id"] for e in r["communication"]["train"]] == sampled
+        assert [e["node-id"] for e in r["communication"]["score"]] == sampled
+        assert all(e["sent"] > 0 and e["received"] > 0 for e in r["communication"]["train"])
