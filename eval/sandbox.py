@@ -55,6 +55,19 @@ DEFAULT_EVAL_EVERY = 5
 GRID_KEYS = ("strategy.name", "strategy.multiplier", "train.lr", "seed", "num-server-rounds", "eval.every", "output-dir", "preset")
 
 
+def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
+    """The ``--run-config`` values as a dict; a ``ConfigError`` when they set a key of :data:`GRID_KEYS`."""
+    from fedopd.config import ConfigError
+    from fedopd.presets import overrides_from_args
+
+    setting = overrides_from_args(run_config_args) if run_config_args else {}
+    fixed = sorted(set(setting) & set(GRID_KEYS))
+    if fixed:
+        raise ConfigError(f"--run-config sets {', '.join(repr(k) for k in fixed)}, which the grid sets itself; "
+                          "use --methods, --lrs, --seeds, --rounds, --eval-every and --out")
+    return setting
+
+
 def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path,
                setting: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sandbox preset with ``setting`` (``--run-config``) and this grid cell's method, learning
@@ -232,16 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds, --eval-every and --jobs must be >= 1 and every learning rate > 0")
 
     from fedopd.config import ConfigError, parse_run_config
-    from fedopd.presets import overrides_from_args
 
     cells = [(m, lr, s) for lr in args.lrs for m in methods for s in args.seeds]
     configs = {}
     try:  # every configuration is valid before the first run starts
-        setting = overrides_from_args(args.run_config) if args.run_config else {}
-        fixed = sorted(set(setting) & set(GRID_KEYS))
-        if fixed:
-            raise ConfigError(f"--run-config sets {', '.join(repr(k) for k in fixed)}, which the grid sets itself; "
-                              "use --methods, --lrs, --seeds, --rounds, --eval-every and --out")
+        setting = grid_setting(args.run_config)
         for m, lr, s in cells:
             folder = args.out / "runs" / f"{m}-lr{lr:g}-seed{s}"
             configs[m, lr, s] = (folder, run_config(m, lr, s, args.rounds, args.eval_every, folder, setting))

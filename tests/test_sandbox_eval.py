@@ -48,7 +48,16 @@ def test_run_config_sets_every_cell_and_the_cell_keeps_its_own_method_rate_and_s
     assert (config["num-server-rounds"], config["eval.every"]) == (20, 5)
 
 
-def test_run_config_may_not_set_a_key_of_the_grid(tmp_path, capsys):
+def test_run_config_may_not_set_a_key_of_the_grid():
+    from fedopd.config import ConfigError
+
+    assert sandbox.grid_setting(["num-clients=12 strategy.fraction-train=0.25"]) == {"num-clients": 12, "strategy.fraction-train": 0.25}
+    for key in ("train.lr=0.1", "seed=3", "strategy.name='fedavg'", "num-server-rounds=5"):
+        with pytest.raises(ConfigError, match=f"'{key.split('=')[0]}'"):
+            sandbox.grid_setting([key])
+
+
+def test_a_grid_key_in_run_config_stops_the_command_before_any_run(tmp_path, capsys):
     code = sandbox.main(["--run-config", "train.lr=0.1", "--out", str(tmp_path / "out")])
     assert code == 1 and "'train.lr'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing ran, nothing was written
