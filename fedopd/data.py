@@ -310,12 +310,23 @@ def _check_partition_id(partition_id: int, num_partitions: int) -> None:
         raise ValueError(f"partition-id {partition_id} is not in [0, num-partitions = {num_partitions})")
 
 
+def _partitioned(data, partition_id: int, num_partitions: int) -> list[dict]:
+    """One client's training rows under a Flower Datasets partitioner (:func:`partitions`)."""
+    _check_partition_id(partition_id, num_partitions)
+    return list(partitions(data, num_partitions)[partition_id])
+
+
+def _partitioned_heldout(data, partition_id: int, num_partitions: int, count: int) -> list[dict]:
+    """One client's held-out rows under a Flower Datasets partitioner (:func:`heldout_partitions`)."""
+    _check_partition_id(partition_id, num_partitions)
+    return list(heldout_partitions(data, num_partitions, count)[partition_id])
+
+
 def _sandbox_train(data, partition_id: int, num_partitions: int) -> list[dict]:
     from fedopd.sandbox import task
 
     if data.partitioner != "groups":
-        _check_partition_id(partition_id, num_partitions)
-        return list(partitions(data, num_partitions)[partition_id])
+        return _partitioned(data, partition_id, num_partitions)
     return task.client_partition(partition_id, num_partitions, data.prompts_per_client, data.seed)
 
 
@@ -323,8 +334,7 @@ def _sandbox_heldout(data, partition_id: int, num_partitions: int, count: int) -
     from fedopd.sandbox import task
 
     if data.partitioner != "groups":
-        _check_partition_id(partition_id, num_partitions)
-        return list(heldout_partitions(data, num_partitions, count)[partition_id])
+        return _partitioned_heldout(data, partition_id, num_partitions, count)
     return task.client_heldout(partition_id, num_partitions, count)
 
 
@@ -345,26 +355,15 @@ def _check_math_groups(num_partitions: int) -> None:
 
 def _math_train(data, partition_id: int, num_partitions: int) -> list[dict]:
     if data.partitioner != "groups":
-        _check_partition_id(partition_id, num_partitions)
-        return list(partitions(data, num_partitions)[partition_id])
+        return _partitioned(data, partition_id, num_partitions)
     _check_math_groups(num_partitions)
     return list(math_partitions(data.path, data.prompts_per_client, data.seed)[partition_id])
-
-
-def _prompts_train(data, partition_id: int, num_partitions: int) -> list[dict]:
-    _check_partition_id(partition_id, num_partitions)
-    return list(partitions(data, num_partitions)[partition_id])
-
-
-def _prompts_heldout(data, partition_id: int, num_partitions: int, count: int) -> list[dict]:
-    _check_partition_id(partition_id, num_partitions)
-    return list(heldout_partitions(data, num_partitions, count)[partition_id])
 
 
 register_dataset("sandbox", _sandbox_train, _sandbox_heldout, partitioners=PARTITIONERS)
 register_dataset("tiny-arith", _tiny_arith_train)
 register_dataset("math", _math_train, partitioners=PARTITIONERS)
-register_dataset("prompts", _prompts_train, _prompts_heldout, partitioners=("iid", "dirichlet", "natural"))
+register_dataset("prompts", _partitioned, _partitioned_heldout, partitioners=("iid", "dirichlet", "natural"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ class ReplyScreening:
         self._sent: list[Message] = []
         self.round_started = 0.0
         self.first_round: int | None = None  # the first round this strategy configured
+        self.sampled_node_ids: list[int] = []  # the nodes the current round's train messages went to
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._theta = arrays
@@ -173,7 +174,7 @@ class ReplyScreening:
         self.records[server_round] = {
             "round": server_round,
             "strategy": self.strategy_name,
-            "sampled-node-ids": list(getattr(self, "sampled_node_ids", [])),
+            "sampled-node-ids": list(self.sampled_node_ids),
             "trained-node-ids": sorted(c["node-id"] for c in clients),
             "candidates": None,
             "teacher_scores": None,
