@@ -52,7 +52,51 @@ DEFAULT_ROUNDS = 10
 DEFAULT_EVAL_EVERY = 5
 
 
-GRID_KEYS = ("strategy.name", "strategy.multiplier", "train.lr", "seed", "num-server-rounds", "eval.every", "output-dir", "preset")
+TRUST_BUDGET_PREFIX = "fedtops-d"  # fedtops-d0.05, fedtops-dinf: FedTOPS at that trust budget δ
+
+
+def trust_budget_method(delta: float) -> str:
+    """The grid's method name of FedTOPS at trust budget ``delta`` (``inf``: no constraint)."""
+    return f"{TRUST_BUDGET_PREFIX}{delta:g}"
+
+
+def method_trust_budget(method: str) -> float | None:
+    """δ of a :func:`trust_budget_method` name; None for the other methods."""
+    if not method.startswith(TRUST_BUDGET_PREFIX):
+        return None
+    return float(method[len(TRUST_BUDGET_PREFIX):])
+
+
+def method_settings(method: str) -> dict[str, Any]:
+    """The run-config keys that make a grid method (:data:`METHODS`, or FedTOPS at a δ)."""
+    delta = method_trust_budget(method)
+    if delta is not None:
+        return {"strategy.name": "fedtops", "strategy.trust-budget": delta}
+    return METHODS[method]
+
+
+def method_title(method: str) -> str:
+    delta = method_trust_budget(method)
+    return f"FedTOPS δ = {'∞' if delta == float('inf') else f'{delta:g}'}" if delta is not None else TITLES.get(method, method)
+
+
+def parse_trust_budgets(text: str) -> tuple[float, ...]:
+    """``--trust-budgets``: comma-separated numbers >= 0 and ``inf``; a ValueError names the bad one."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not value >= 0:
+            raise ValueError(f"--trust-budgets: {item!r} is not a number >= 0 or 'inf'")
+        out.append(value)
+    if len(set(out)) != len(out):
+        raise ValueError("--trust-budgets: a value is repeated")
+    return tuple(out)
+
+
+GRID_KEYS = ("strategy.name", "strategy.trust-budget", "strategy.multiplier", "train.lr", "seed", "num-server-rounds", "eval.every", "output-dir", "preset")
 
 
 def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
@@ -74,7 +118,7 @@ def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, 
     rate, seed and length."""
     return {
         **(setting or {}),
-        **METHODS[method],
+        **method_settings(method),
         "train.lr": lr,
         "seed": seed,
         "num-server-rounds": rounds,
@@ -84,42 +128,129 @@ def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, 
     }
 
 
-def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
-    """A run folder under ``folder`` with exactly this resolved config and its last round evaluated."""
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """A resolved run config without where it was written (``output-dir``)."""
     from fedopd.config import parse_run_config
+
+    resolved = parse_run_config(config).to_run_config()
+    resolved.pop("output-dir", None)
+    return resolved
+
+
+def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
+    """A run folder anywhere under ``folder`` with exactly this resolved config (wherever it was
+    written) and its last round evaluated."""
+    from fedopd.config import ConfigError
     from server_app.run_folder import read_rounds, read_run_config
 
-    want = parse_run_config(config).to_run_config()
-    for run in sorted(folder.glob("*/")) if folder.is_dir() else []:
+    want = _comparable(config)
+    for path in sorted(folder.rglob("config.json")) if folder.is_dir() else []:
+        run = path.parent
         try:
-            if read_run_config(run) != want:
+            if _comparable(read_run_config(run)) != want:
                 continue
             rounds = read_rounds(run)
-        except (OSError, ValueError):
+        except (OSError, ValueError, ConfigError):
             continue
-        if rounds and rounds[-1]["round"] == config["num-server-rounds"] and rounds[-1].get("evaluation"):
+        if rounds and rounds[-1]["round"] == config["num-server-rounds"] and (rounds[-1].get("evaluation") or not config["eval.every"]):
             return run
     return None
 
 
+GRADES = "heldout-grades.npz"  # per-problem grades of a grid run's final adapter(s), in its run folder
+
+
+def final_grades(run: Path) -> Path:
+    """Grade the final adapter(s) of a finished run on every client's held-out problems, with the
+    very seeds of the run's last evaluation, and save ``greedy`` (problems,) and ``sampled``
+    (problems, k) 0/1 grades, clients in partition order, to ``run/heldout-grades.npz``.
+
+    Local grades each client's own adapter (``round-NNN/client-<i>``), the other methods the
+    global one. The means must equal the run's recorded final evaluation (same adapters, seeds
+    and problems); a mismatch is an error.
+    """
+    from client_app.worker import setup_heldout
+    from fedopd.config import parse_run_config
+    from fedopd.heldout import heldout_correctness
+    from fedopd.lora import load_adapter
+    from fedopd.round import derive_seed
+    from server_app.run_folder import read_rounds, read_run_config
+
+    cfg = parse_run_config(read_run_config(run))
+    last = read_rounds(run)[-1]
+    num = int(cfg.num_clients or 3)
+    folder = run / f"round-{last['round']:03d}"
+    greedy, sampled = [], []
+    for pid in range(num):
+        models, prompts = setup_heldout(cfg, pid, num)
+        theta = load_adapter(folder / f"client-{pid}" if cfg.strategy.name == "local" else folder)
+        g, c, _ = heldout_correctness(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, pid, last["round"], 3))
+        greedy.append(g)
+        sampled.append(c)
+    greedy_all, sampled_all = np.concatenate(greedy), np.concatenate(sampled)
+    recorded = last.get("evaluation")
+    k = cfg.eval.samples
+    if recorded and cfg.eval.fraction == 1.0 and (abs(100 * greedy_all.mean() - recorded["accuracy"]) > 1e-6
+                                     or abs(100 * sampled_all.mean() - recorded[f"avg@{k}"]) > 1e-6):
+        raise RuntimeError(f"{run}: re-graded final adapter gives greedy {100 * greedy_all.mean():.3f} % / "
+                           f"Avg@{k} {100 * sampled_all.mean():.3f} %, the run recorded {recorded['accuracy']:.3f} % / "
+                           f"{recorded[f'avg@{k}']:.3f} %")
+    path = run / GRADES
+    np.savez_compressed(path, greedy=greedy_all, sampled=sampled_all)
+    return path
+
+
+def graded_scores(path: Path) -> dict[str, float]:
+    """Greedy accuracy, Avg@k and Pass@k (%) from a :func:`final_grades` file."""
+    with np.load(path) as z:
+        greedy, sampled = z["greedy"], z["sampled"]
+    k = sampled.shape[1]
+    return {"accuracy": 100.0 * float(greedy.mean()), f"avg@{k}": 100.0 * float(sampled.mean()),
+            f"pass@{k}": 100.0 * float(sampled.max(axis=1).mean())}
+
+
+def _mean_of(values: list) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
 def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
-    """One results.json row from a finished run folder."""
-    from server_app.run_folder import read_rounds
+    """One results.json row from a finished run folder: final held-out scores, the multipliers,
+    the aggregation errors (mean over rounds), and for FedTOPS how often each candidate was
+    infeasible."""
+    from fedtops_strategy.selection import feasible_indices
+    from server_app.run_folder import read_rounds, read_run_config
 
     rounds = read_rounds(run)
-    final = rounds[-1]["evaluation"]
+    final = rounds[-1].get("evaluation") or graded_scores(run / GRADES)
     k = next(int(key[4:]) for key in final if key.startswith("avg@"))
-    multipliers = [r["multiplier"] for r in rounds if r["round"] > 0]
-    return {
+    trained = [r for r in rounds if r["round"] > 0]
+    multipliers = [r["multiplier"] for r in trained]
+    row: dict[str, Any] = {
         "method": method,
         "lr": lr,
         "seed": seed,
         "accuracy": final["accuracy"],
         f"avg@{k}": final[f"avg@{k}"],
         f"pass@{k}": final[f"pass@{k}"],
-        "mean_multiplier": float(np.mean(multipliers)) if method == "fedtops" else None,
+        "mean_multiplier": float(np.mean(multipliers)) if method == "fedtops" or method_trust_budget(method) is not None else None,
+        "aggregation_error": _mean_of([r.get("aggregation-error") for r in trained]),
+        "aggregation_error_applied": _mean_of([r.get("aggregation-error-applied") for r in trained]),
         "run": str(run),
     }
+    if any(r.get("change_scores") for r in trained):
+        delta = float(read_run_config(run)["strategy.trust-budget"])
+        candidates = next(r["candidates"] for r in trained if r.get("change_scores"))
+        infeasible = [0] * len(candidates)
+        for r in trained:
+            if r.get("change_scores"):
+                feasible = set(feasible_indices(r["change_scores"], delta, len(candidates)))
+                for j in range(len(candidates)):
+                    infeasible[j] += j not in feasible
+        row.update(trust_budget=delta, candidates=candidates, infeasible_rounds=infeasible,
+                   scored_rounds=sum(1 for r in trained if r.get("change_scores")),
+                   held_rounds=sum(1 for a in multipliers if a == 0.0))
+    return row
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -145,9 +276,9 @@ def table(rows: list[dict[str, Any]], metric: str, title: str) -> str:
             mu, sd = cells[m, lr]
             text = f"{mu:.1f} ± {sd:.1f}"
             vals.append(f"**{text}**" if round(mu, 1) == best[lr] and len(methods) > 1 else text)
-        out.append(f"| {TITLES.get(m, m)} | " + " | ".join(vals) + " |")
+        out.append(f"| {method_title(m)} | " + " | ".join(vals) + " |")
     fedtops = [r for r in rows if r["method"] == "fedtops"]
-    if fedtops and metric == "accuracy":
+    if fedtops and metric == "accuracy" and "fedtops" in methods:
         means = [np.mean([r["mean_multiplier"] for r in fedtops if r["lr"] == lr]) if any(r["lr"] == lr for r in fedtops) else None for lr in lrs]
         out.append("| FedTOPS mean a | " + " | ".join("–" if v is None else f"{v:.2f}" for v in means) + " |")
     return "\n".join(out) + "\n"
@@ -166,23 +297,25 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     lrs = sorted({r["lr"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     written = []
+    evaluated = any(r.get("evaluation") and r["round"] > 0 for row in rows for r in read_rounds(row["run"]))
     fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.4), sharey=True, squeeze=False)
     for ax, lr in zip(axes[0], lrs):
         for m in methods:
             curves = [[(r["round"], r["evaluation"]["accuracy"]) for r in read_rounds(row["run"]) if r.get("evaluation")]
                       for row in rows if row["method"] == m and row["lr"] == lr]
-            if not curves:
+            if not curves or not curves[0]:  # not evaluated during the runs (--eval-every 0)
                 continue
             xs = [x for x, _ in curves[0]]
             ys = np.mean([[y for _, y in c] for c in curves], axis=0)
-            ax.plot(xs, ys, marker="o", ms=3, label=TITLES.get(m, m))
+            ax.plot(xs, ys, marker="o", ms=3, label=method_title(m))
         ax.set_title(f"client learning rate {lr:g}")
         ax.set_xlabel("round")
     axes[0][0].set_ylabel("held-out greedy accuracy (%)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    written.append(out / "accuracy_per_round.png")
-    fig.savefig(written[-1], dpi=150)
+    if evaluated:  # not with --eval-every 0
+        written.append(out / "accuracy_per_round.png")
+        fig.savefig(written[-1], dpi=150)
     plt.close(fig)
 
     fedtops = [r for r in rows if r["method"] == "fedtops"]
@@ -216,11 +349,163 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _run_cell(config: dict[str, Any]) -> tuple[Path, float]:
+def _run_cell(config: dict[str, Any] | None, run: Path | None = None) -> tuple[Path, float]:
+    """Run one grid cell (``config``), or take the finished ``run``; then grade its final
+    adapter(s) per problem (:func:`final_grades`) unless that was done before."""
     from server_app.inprocess import run_in_process
 
     t0 = time.perf_counter()
-    return run_in_process(config, num_clients=int(config.get("num-clients") or 3)), time.perf_counter() - t0
+    if run is None:
+        run = run_in_process(config, num_clients=int(config.get("num-clients") or 3))
+    if not (run / GRADES).is_file():
+        final_grades(run)
+    return run, time.perf_counter() - t0
+
+
+def load_grades(rows: list[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, np.ndarray]]:
+    """(method, lr, seed) -> that run's ``greedy`` and ``sampled`` per-problem grades."""
+    out = {}
+    for r in rows:
+        path = Path(r["run"]) / GRADES
+        if path.is_file():
+            with np.load(path) as z:
+                out[r["method"], r["lr"], r["seed"]] = {"greedy": z["greedy"], "sampled": z["sampled"]}
+    return out
+
+
+# The comparisons the intervals are for (fixed before the 5-seed grid was run): B − A.
+COMPARISONS = (("fedavg", "fedtops"), ("local", "fedavg"))
+
+
+def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, Any]]:
+    """Paired bootstrap intervals of B − A for each :data:`COMPARISONS` pair and learning rate, on
+    the seeds both have: by seed (:func:`eval.bootstrap.seed_bootstrap`) and by problem
+    (:func:`eval.bootstrap.problem_bootstrap`), for greedy accuracy and Avg@k."""
+    from eval.bootstrap import problem_bootstrap, seed_bootstrap
+
+    grades = load_grades(rows)
+    out = []
+    for lr in sorted({r["lr"] for r in rows}):
+        for a, b in COMPARISONS:
+            seeds = sorted({s for m, l, s in grades if m == a and l == lr} & {s for m, l, s in grades if m == b and l == lr})
+            if not seeds:
+                continue
+            for metric, key in (("accuracy", "greedy"), ("avg@k", "sampled")):
+                ga = np.stack([grades[a, lr, s][key].reshape(len(grades[a, lr, s][key]), -1) for s in seeds])
+                gb = np.stack([grades[b, lr, s][key].reshape(len(grades[b, lr, s][key]), -1) for s in seeds])
+                diff, s_lo, s_hi = seed_bootstrap(ga, gb, draws)
+                _, p_lo, p_hi = problem_bootstrap(ga, gb, draws)
+                per_seed = (100 * (gb.mean(axis=(1, 2)) - ga.mean(axis=(1, 2)))).tolist()
+                out.append({"lr": lr, "a": a, "b": b, "metric": metric, "seeds": seeds, "problems": int(ga.shape[1]),
+                            "difference": diff, "per_seed": per_seed, "by_seed": [s_lo, s_hi], "by_problem": [p_lo, p_hi]})
+    return out
+
+
+def intervals_table(found: list[dict[str, Any]], k: int) -> str:
+    out = ["**Paired bootstrap, 95 % intervals (pp): by seed (seeds resampled) and by problem (problems resampled, "
+           "the same for every seed)**", "",
+           "| Difference | lr | metric | mean | by seed | by problem | per seed |", "|---|---|---|---:|---|---|---|"]
+    for d in found:
+        metric = "greedy" if d["metric"] == "accuracy" else f"Avg@{k}"
+        out.append(f"| {method_title(d['b'])} − {method_title(d['a'])} | {d['lr']:g} | {metric} | {d['difference']:+.1f} | "
+                   f"[{d['by_seed'][0]:+.1f}, {d['by_seed'][1]:+.1f}] | [{d['by_problem'][0]:+.1f}, {d['by_problem'][1]:+.1f}] | "
+                   + " ".join(f"{x:+.1f}" for x in d["per_seed"]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def aggregation_table(rows: list[dict[str, Any]]) -> str:
+    """Mean over rounds and seeds of the aggregation error (factor average vs average of the
+    products) and of the applied update's, per averaging method and learning rate."""
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if any(r["aggregation_error"] is not None for r in rows if r["method"] == m)]
+    if not methods:
+        return ""
+    lrs = sorted({r["lr"] for r in rows})
+    out = ["**Aggregation error of averaging the LoRA factors (%, mean over rounds and seeds): "
+           "mean factors / applied update**", "", "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
+    for m in methods:
+        cells = []
+        for lr in lrs:
+            sel = [r for r in rows if r["method"] == m and r["lr"] == lr and r["aggregation_error"] is not None]
+            if not sel:
+                cells.append("–")
+                continue
+            mean = 100 * np.mean([r["aggregation_error"] for r in sel])
+            applied = [r["aggregation_error_applied"] for r in sel if r["aggregation_error_applied"] is not None]
+            cells.append(f"{mean:.2f} / {100 * np.mean(applied):.2f}" if applied else f"{mean:.2f} / –")
+        out.append(f"| {method_title(m)} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
+    """Per δ and learning rate: final greedy and Avg@k (mean ± sd over seeds), mean selected a,
+    held rounds, and the share of scored rounds in which each candidate was infeasible."""
+    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
+    if not swept:
+        return ""
+    candidates = next(r["candidates"] for r in rows if r["method"] in swept)
+    out = ["**Trust budget δ: final held-out scores (mean ± sd over seeds), mean selected a, rounds held, and % of "
+           "scored rounds in which each candidate was infeasible**", "",
+           "| lr | δ | greedy (%) | Avg@" + str(k) + " (%) | mean a | held | " + " | ".join(f"a={a:g}" for a in candidates) + " |",
+           "|---|---|---:|---:|---:|---:|" + "---:|" * len(candidates)]
+    for lr in sorted({r["lr"] for r in rows}):
+        for m in swept:
+            sel = [r for r in rows if r["method"] == m and r["lr"] == lr]
+            if not sel:
+                continue
+            g, gs = mean_sd([r["accuracy"] for r in sel])
+            v, vs = mean_sd([r[f"avg@{k}"] for r in sel])
+            scored = sum(r["scored_rounds"] for r in sel)
+            infeasible = [100 * sum(r["infeasible_rounds"][j] for r in sel) / scored for j in range(len(candidates))]
+            delta = method_trust_budget(m)
+            out.append(f"| {lr:g} | {'∞' if delta == float('inf') else f'{delta:g}'} | {g:.1f} ± {gs:.1f} | {v:.1f} ± {vs:.1f} | "
+                       f"{np.mean([r['mean_multiplier'] for r in sel]):.2f} | {sum(r['held_rounds'] for r in sel)} | "
+                       + " | ".join(f"{x:.0f}" for x in infeasible) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | None:
+    """Final greedy accuracy and Avg@k against δ (mean ± sd over seeds, ∞ at the right end),
+    one column per learning rate, with the FedAvg and Local levels (mean over the same seeds) as lines."""
+    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
+    if not swept:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    deltas = [method_trust_budget(m) for m in swept]
+    finite = [d for d in deltas if np.isfinite(d) and d > 0]
+    # positions on a log axis; ∞ (and 0) drawn one decade beyond (below) the finite values
+    pos = {d: d if np.isfinite(d) and d > 0 else (max(finite) * 10 if d > 0 else min(finite) / 10) for d in deltas} if finite else {d: i + 1 for i, d in enumerate(deltas)}
+    lrs = sorted({r["lr"] for r in rows})
+    fig, axes = plt.subplots(2, len(lrs), figsize=(4.6 * len(lrs), 6.2), squeeze=False, sharex=True)
+    for col, lr in enumerate(lrs):
+        for row_i, (metric, label) in enumerate((("accuracy", "final greedy accuracy (%)"), (f"avg@{k}", f"final Avg@{k} (%)"))):
+            ax = axes[row_i][col]
+            stats = [mean_sd([r[metric] for r in rows if r["method"] == m and r["lr"] == lr]) if any(r["method"] == m and r["lr"] == lr for r in rows) else (np.nan, 0.0) for m in swept]
+            ax.errorbar([pos[d] for d in deltas], [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", capsize=3, label="FedTOPS")
+            for ref, style in (("fedavg", "--"), ("local", ":")):
+                vals = [r[metric] for r in rows if r["method"] == ref and r["lr"] == lr]
+                if vals:
+                    ax.axhline(np.mean(vals), linestyle=style, color="gray" if ref == "local" else "black", label=method_title(ref))
+            if finite:
+                ax.set_xscale("log")
+            ax.set_xticks([pos[d] for d in deltas], ["∞" if d == float("inf") else f"{d:g}" for d in deltas])
+            ax.minorticks_off()
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(label)
+            if row_i == 0:
+                ax.set_title(f"client learning rate {lr:g}")
+            else:
+                ax.set_xlabel("trust budget δ")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "trust_budget.png"
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +514,17 @@ def main(argv: list[str] | None = None) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     p.add_argument("--lrs", type=floats, default=DEFAULT_LRS, help="comma-separated local learning rates")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--trust-budgets", default="", metavar="0.01,0.05,inf",
+                   help="adds FedTOPS at each trust budget δ (inf: no constraint) as the methods fedtops-d<δ>")
     p.add_argument("--seeds", type=ints, default=DEFAULT_SEEDS)
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
-    p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
+    p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                   help="held-out evaluation during the runs every this many rounds; 0: none (the final adapters are graded after each run either way)")
     p.add_argument("--jobs", type=int, default=2, help="grid cells run at once (one torch thread each)")
     p.add_argument("--out", type=Path, default=Path("sandbox-results"))
+    p.add_argument("--runs", type=Path, default=None,
+                   help="where the run folders live (default OUT/runs); grids that share it reuse each other's finished runs")
+    p.add_argument("--bootstrap", type=int, default=5000, help="bootstrap draws of the paired intervals")
     p.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
                    help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)")
     args = p.parse_args(argv)
@@ -241,8 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {', '.join(repr(m) for m in unknown)}; allowed: {', '.join(METHODS)}")
-    if args.rounds < 1 or args.eval_every < 1 or args.jobs < 1 or any(lr <= 0 for lr in args.lrs):
-        p.error("--rounds, --eval-every and --jobs must be >= 1 and every learning rate > 0")
+    if args.trust_budgets:
+        try:
+            methods += [trust_budget_method(d) for d in parse_trust_budgets(args.trust_budgets)]
+        except ValueError as err:
+            p.error(str(err))
+    if args.rounds < 1 or args.eval_every < 0 or args.jobs < 1 or args.bootstrap < 1 or any(lr <= 0 for lr in args.lrs):
+        p.error("--rounds, --jobs and --bootstrap must be >= 1, --eval-every >= 0 and every learning rate > 0")
+    runs_root = args.runs or args.out / "runs"
 
     from fedopd.config import ConfigError, parse_run_config
 
@@ -251,24 +548,26 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every configuration is valid before the first run starts
         setting = grid_setting(args.run_config)
         for m, lr, s in cells:
-            folder = args.out / "runs" / f"{m}-lr{lr:g}-seed{s}"
-            configs[m, lr, s] = (folder, run_config(m, lr, s, args.rounds, args.eval_every, folder, setting))
-            parse_run_config(configs[m, lr, s][1])
+            folder = runs_root / f"{m}-lr{lr:g}-seed{s}"
+            configs[m, lr, s] = run_config(m, lr, s, args.rounds, args.eval_every, folder, setting)
+            parse_run_config(configs[m, lr, s])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
     started = time.perf_counter()
-    runs = {cell: finished_run(*configs[cell]) for cell in cells}
-    todo = [cell for cell in cells if runs[cell] is None]
-    print(f"{len(cells) - len(todo)} of {len(cells)} runs already finished (reused); running {len(todo)} with {args.jobs} job(s)", flush=True)
+    runs = {cell: finished_run(runs_root, configs[cell]) for cell in cells}
+    todo = [cell for cell in cells if runs[cell] is None or not (runs[cell] / GRADES).is_file()]
+    fresh = sum(1 for cell in todo if runs[cell] is None)
+    print(f"{len(cells) - fresh} of {len(cells)} runs already finished (reused); running {fresh} and grading "
+          f"{len(todo)} with {args.jobs} job(s)", flush=True)
     if todo:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch or grader state
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_single_thread) as pool:
-            futures = {pool.submit(_run_cell, configs[cell][1]): cell for cell in todo}
+            futures = {pool.submit(_run_cell, configs[cell], runs[cell]): cell for cell in todo}
             for i, future in enumerate(as_completed(futures), 1):
                 cell = futures[future]
                 runs[cell], seconds = future.result()
@@ -278,15 +577,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [result_row(m, lr, s, runs[m, lr, s]) for m, lr, s in cells]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     k = next(int(key[4:]) for key in rows[0] if key.startswith("avg@"))
-    text = (table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds")
-            + "\n" + table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"))
+    found = intervals(rows, args.bootstrap)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.out / "intervals.json").write_text(json.dumps(found, indent=2) + "\n")
+    parts = [table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds"),
+             table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"),
+             intervals_table(found, k) if found else "", aggregation_table(rows), trust_budget_table(rows, k)]
+    text = "\n".join(part for part in parts if part)
     (args.out / "table.md").write_text(text)
     figures = plot(rows, args.out)
+    figure = plot_trust_budgets(rows, args.out, k)
+    figures += [figure] if figure else []
     print()
     print(text)
-    for path in [args.out / "results.json", args.out / "table.md", *figures]:
+    for path in [args.out / "results.json", args.out / "intervals.json", args.out / "table.md", *figures]:
         print(path)
     return 0
 

@@ -1,7 +1,7 @@
 """The rollout-source intervention (paper RQ3): same receiver, different generator.
 
-    python -m eval.source_swap RUN_FOLDER --round T [--sources 1,3] [--receiver-rounds 3]
-                               [--bootstrap 5000] [--out DIR]
+    python -m eval.source_swap RUN_FOLDER [RUN_FOLDER ...] --round T [--sources 1,3] [--receiver-rounds 3]
+                               [--bootstrap 5000] [--grid results.json] [--out DIR]
 
 From a run folder of a federated run (not Local), with θ_{T-1} = ``round-(T-1)`` and the round-T
 increment Δ_T = (θ_T − θ_{T-1}) / a_T recovered from the saved adapters and the recorded
@@ -18,6 +18,16 @@ get paired 95 % bootstrap intervals: questions are resampled ``--bootstrap`` tim
 its samples together, with the same indices for every model (the paper's "Paired evaluation").
 Optimizer state starts fresh for the receivers (the run folder does not keep client optimizer
 state). Writes ``source_swap.json`` and the receivers' adapters to ``--out``.
+
+How far apart the sources are, on the scale of FedTOPS's trust budget: K̂ (mean KL of the
+coarsened next-token distributions over a scoring cache, :func:`source_distance`) from θ_{T-1} to
+each source and from the first source to the others, on the rollouts of the receivers' first
+round.
+
+Several run folders (the same setting at different seeds) are replicates: ``summary.json`` gives
+each difference's mean over runs, a seed-bootstrap interval, and the difference that many
+replicates would detect with 80 % power, from their own spread and, with ``--grid``, from the
+seed spread of FedAvg's final scores in an ``eval.sandbox`` grid.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.bootstrap import paired_bootstrap
 from fedopd.config import ConfigError, RunConfig, parse_run_config
 
 
@@ -41,24 +52,6 @@ def recover_increment(theta_prev: dict, theta_t: dict, multiplier: float) -> dic
     from fedopd.lora import increment
 
     return {k: d / np.float32(multiplier) for k, d in increment(theta_t, theta_prev).items()}
-
-
-def paired_bootstrap(a: np.ndarray, b: np.ndarray, draws: int, seed: int = 0) -> tuple[float, float, float]:
-    """Mean-score difference b − a (percent) and its 95 % percentile interval.
-
-    ``a`` and ``b`` are (questions × samples) 0/1 arrays of the same questions; each draw
-    resamples question indices with replacement, keeping a question's samples together and using
-    the same indices for both models.
-    """
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.shape[0] != b.shape[0]:
-        raise ValueError("paired_bootstrap: both models must be graded on the same questions")
-    per_a, per_b = a.mean(axis=1), b.mean(axis=1)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(per_a), size=(draws, len(per_a)))
-    diffs = 100.0 * (per_b[idx].mean(axis=1) - per_a[idx].mean(axis=1))
-    lo, hi = np.percentile(diffs, [2.5, 97.5])
-    return 100.0 * float(per_b.mean() - per_a.mean()), float(lo), float(hi)
 
 
 def train_receiver(cfg: RunConfig, theta: dict, source: dict, start_round: int, rounds: int, num_clients: int) -> dict:
@@ -86,64 +79,86 @@ def train_receiver(cfg: RunConfig, theta: dict, source: dict, start_round: int, 
     return theta
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.source_swap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", type=Path, help="run folder (config.json, rounds.jsonl, round-NNN/)")
-    p.add_argument("--round", type=int, required=True, help="T: the increment of round T, receivers start from round T-1")
-    p.add_argument("--sources", default="1,3", help="comma-separated source multipliers a (φ_a = θ_{T-1} + aΔ_T)")
-    p.add_argument("--receiver-rounds", type=int, default=3)
-    p.add_argument("--num-clients", type=int, default=3)
-    p.add_argument("--bootstrap", type=int, default=5000)
-    p.add_argument("--out", type=Path, default=None, help="default: RUN/source-swap-T")
-    args = p.parse_args(argv)
+def source_distance(cfg: RunConfig, theta: dict, delta: dict, reference: float, multipliers: list[float], start_round: int,
+                    num_clients: int) -> dict[str, Any]:
+    """K̂ between the source φ_ref = θ + ``reference``·Δ and each φ_a = θ + aΔ on the receivers' prompts.
 
-    from fedopd.lora import load_adapter
+    For every client: the rollouts φ_ref generates for the receivers' first round (that round's
+    prompts, sampling and seeds), a scoring cache on them exactly as FedTOPS builds one
+    (``cache.*`` keys), and K̂_i(a) = mean over its cached positions of KL(π̃_{φ_ref} ‖ π̃_{φ_a})
+    (:func:`fedopd.cache.score_candidates`), the quantity FedTOPS's trust budget δ bounds. Returns
+    the per-client values and their maximum (what the constraint reads) per a.
+    """
+    from client_app.worker import setup
+    from fedopd.cache import build_scoring_cache, score_candidates
+    from fedopd.data import round_indices
+    from fedopd.lora import apply_increment
+    from fedopd.rollout import SamplingParams
+    from fedopd.round import derive_seed
+
+    per_round = cfg.learner_budget()[0]
+    r = start_round + 1
+    phi = apply_increment(theta, delta, reference)
+    per_client = []
+    for i in range(num_clients):
+        models, prompts = setup(cfg, i, num_clients)
+        seed = derive_seed(cfg.seed, i)
+        batch = [prompts[j] for j in round_indices(len(prompts), r, per_round, seed)]
+        models.rollout.set_adapter(phi)
+        params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, derive_seed(seed, r, 1))
+        rollouts = models.rollout.generate([p.token_ids for p in batch], params)
+        models.student.set_lora_arrays(phi)
+        cache = build_scoring_cache(models.student, models.teacher, rollouts, cfg.cache, derive_seed(seed, r, 2))
+        per_client.append(score_candidates(models.student, cache, theta, delta, multipliers)[1])
+    return {"reference": reference, "multipliers": multipliers, "per_client": per_client,
+            "max": [max(k[j] for k in per_client) for j in range(len(multipliers))]}
+
+
+def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int, num_clients: int, draws: int,
+             out: Path) -> dict[str, Any]:
+    """The intervention on one run folder (see the module doc); writes ``out/source_swap.json``."""
+    from client_app.worker import setup_heldout
+    from fedopd.heldout import heldout_correctness
+    from fedopd.lora import apply_increment, load_adapter, save_adapter
+    from fedopd.round import derive_seed
     from server_app.run_folder import read_rounds, read_run_config
 
-    try:
-        sources = [float(a) for a in args.sources.split(",")]
-        cfg = parse_run_config(read_run_config(args.run))
-        records = {r["round"]: r for r in read_rounds(args.run)}
-        if cfg.strategy.name in ("local", "centralized"):
-            raise ValueError(f"a {cfg.strategy.name!r} run has no federated round increment; use a fedavg, fixed or fedtops run")
-        if cfg.data.name != "sandbox":
-            raise ValueError(f"held-out evaluation needs data.name = 'sandbox' (this run: {cfg.data.name!r}); "
-                             "for MATH, evaluate the receivers' adapters with python -m eval.run")
-        if args.round < 1 or args.round not in records or not (args.run / f"round-{args.round:03d}").is_dir():
-            raise ValueError(f"--round {args.round}: the run folder has no round {args.round} (rounds 1..{max(records, default=0)})")
-        theta_prev = load_adapter(args.run / f"round-{args.round - 1:03d}")
-        delta = recover_increment(theta_prev, load_adapter(args.run / f"round-{args.round:03d}"), records[args.round]["multiplier"])
-    except (OSError, ValueError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    out = args.out or args.run / f"source-swap-{args.round:03d}"
-
-    from client_app.worker import setup_heldout
-    from fedopd.lora import apply_increment
-    from fedopd.lora import save_adapter
-    from fedopd.heldout import heldout_correctness
-    from fedopd.round import derive_seed
+    cfg = parse_run_config(read_run_config(run))
+    records = {r["round"]: r for r in read_rounds(run)}
+    if cfg.strategy.name in ("local", "centralized"):
+        raise ValueError(f"{run}: a {cfg.strategy.name!r} run has no federated round increment; use a fedavg, fixed or fedtops run")
+    if cfg.data.name != "sandbox":
+        raise ValueError(f"{run}: held-out evaluation needs data.name = 'sandbox' (this run: {cfg.data.name!r}); "
+                         "for MATH, evaluate the receivers' adapters with python -m eval.run")
+    if round_t < 1 or round_t not in records or not (run / f"round-{round_t:03d}").is_dir():
+        raise ValueError(f"--round {round_t}: '{run}' has no round {round_t} (rounds 1..{max(records, default=0)})")
+    theta_prev = load_adapter(run / f"round-{round_t - 1:03d}")
+    delta = recover_increment(theta_prev, load_adapter(run / f"round-{round_t:03d}"), records[round_t]["multiplier"])
 
     adapters = {"start": theta_prev}
     for a in sources:
         source = apply_increment(theta_prev, delta, a)
-        print(f"receiver of source a = {a:g}: {args.receiver_rounds} rounds from round {args.round - 1}", flush=True)
-        adapters[f"source a={a:g}"] = train_receiver(cfg, theta_prev, source, args.round - 1, args.receiver_rounds, args.num_clients)
-        save_adapter(out / f"receiver-a{a:g}", adapters[f"source a={a:g}"], setup_heldout(cfg, 0, args.num_clients)[0].student.lora_config)
+        print(f"{run.name}: receiver of source a = {a:g}: {receiver_rounds} rounds from round {round_t - 1}", flush=True)
+        adapters[f"source a={a:g}"] = train_receiver(cfg, theta_prev, source, round_t - 1, receiver_rounds, num_clients)
+        save_adapter(out / f"receiver-a{a:g}", adapters[f"source a={a:g}"], setup_heldout(cfg, 0, num_clients)[0].student.lora_config)
 
     grades: dict[str, dict[str, np.ndarray]] = {}
     for name, theta in adapters.items():
         greedy, sampled = [], []
-        for i in range(args.num_clients):
-            models, prompts = setup_heldout(cfg, i, args.num_clients)
+        for i in range(num_clients):
+            models, prompts = setup_heldout(cfg, i, num_clients)
             g, c, _ = heldout_correctness(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, i, 0, 3))
             greedy.append(g)
             sampled.append(c)
         grades[name] = {"greedy": np.concatenate(greedy)[:, None], "sampled": np.concatenate(sampled)}
 
     k = cfg.eval.samples
-    result: dict[str, Any] = {"run": str(args.run), "round": args.round, "receiver_rounds": args.receiver_rounds,
-                              "questions": int(grades["start"]["sampled"].shape[0]), "models": {}, "differences": []}
+    result: dict[str, Any] = {"run": str(run), "lr": cfg.train.lr, "seed": cfg.seed, "round": round_t,
+                              "receiver_rounds": receiver_rounds, "questions": int(grades["start"]["sampled"].shape[0]),
+                              "models": {}, "differences": [],
+                              # how far apart the sources are, on the scale of FedTOPS's trust budget
+                              "source_distance": [source_distance(cfg, theta_prev, delta, 0.0, sources, round_t - 1, num_clients),
+                                                  source_distance(cfg, theta_prev, delta, sources[0], sources[1:], round_t - 1, num_clients)]}
     for name, g in grades.items():
         result["models"][name] = {"accuracy": 100.0 * float(g["greedy"].mean()), f"avg@{k}": 100.0 * float(g["sampled"].mean()),
                                   f"pass@{k}": 100.0 * float(g["sampled"].max(axis=1).mean())}
@@ -151,18 +166,103 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(names[1], n) for n in names[2:]] + [("start", n) for n in names[1:]]
     for base, other in pairs:
         for metric, key in (("accuracy", "greedy"), (f"avg@{k}", "sampled")):
-            diff, lo, hi = paired_bootstrap(grades[base][key], grades[other][key], args.bootstrap)
+            diff, lo, hi = paired_bootstrap(grades[base][key], grades[other][key], draws)
             result["differences"].append({"model": other, "minus": base, "metric": metric, "difference": diff, "ci95": [lo, hi]})
     out.mkdir(parents=True, exist_ok=True)
     (out / "source_swap.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
-    print(f"\n| Model | greedy (%) | Avg@{k} (%) | Pass@{k} (%) |\n|---|---:|---:|---:|")
-    for name, m in result["models"].items():
-        print(f"| {name} | {m['accuracy']:.1f} | {m[f'avg@{k}']:.1f} | {m[f'pass@{k}']:.1f} |")
-    print("\n| Difference | metric | value (pp) | paired 95% CI |\n|---|---|---:|---|")
-    for d in result["differences"]:
-        print(f"| {d['model']} − {d['minus']} | {d['metric']} | {d['difference']:+.2f} | [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] |")
-    print(f"\n{out / 'source_swap.json'}")
+
+def replicate_summary(results: list[dict[str, Any]], draws: int, grid_sd: dict[tuple[float, str], float] | None = None) -> list[dict[str, Any]]:
+    """Across runs (replicates: seeds) of one learning rate, for every difference of the first
+    receiver's pairs: the mean, the per-run values, a seed-bootstrap 95 % interval, their sd, and
+    the difference a two-sided 5 % test on this many replicates detects with 80 % power, from
+    their own sd and (``grid_sd``: (lr, metric) -> the seed sd of one method's final score in the
+    grid) from √2 × the grid's seed spread (two independently trained models)."""
+    from eval.bootstrap import detectable_difference
+
+    out = []
+    for lr in sorted({r["lr"] for r in results}):
+        runs = [r for r in results if r["lr"] == lr]
+        for d0 in runs[0]["differences"]:
+            values = np.asarray([next(d["difference"] for d in r["differences"] if (d["model"], d["minus"], d["metric"]) ==
+                                      (d0["model"], d0["minus"], d0["metric"])) for r in runs])
+            rng = np.random.default_rng(0)
+            boot = values[rng.integers(0, len(values), size=(draws, len(values)))].mean(axis=1)
+            sd = float(values.std(ddof=1)) if len(values) > 1 else float("nan")
+            row = {"lr": lr, "model": d0["model"], "minus": d0["minus"], "metric": d0["metric"], "runs": len(values),
+                   "mean": float(values.mean()), "per_run": values.tolist(), "by_seed": [float(x) for x in np.percentile(boot, [2.5, 97.5])],
+                   "sd": sd, "detectable": detectable_difference(sd, len(values)) if len(values) > 1 else None}
+            key = "avg@k" if d0["metric"].startswith("avg@") else d0["metric"]
+            if grid_sd and (lr, key) in grid_sd:
+                row["grid_sd"] = grid_sd[lr, key]
+                row["detectable_from_grid"] = {n: detectable_difference(np.sqrt(2) * grid_sd[lr, key], n) for n in (1, len(values))}
+            out.append(row)
+    return out
+
+
+def grid_spread(results_json: Path, method: str = "fedavg") -> dict[tuple[float, str], float]:
+    """(lr, metric) -> the sample sd over seeds of ``method``'s final score in an eval.sandbox results.json."""
+    rows = [r for r in json.loads(results_json.read_text()) if r["method"] == method]
+    out = {}
+    for lr in sorted({r["lr"] for r in rows}):
+        sel = [r for r in rows if r["lr"] == lr]
+        avg = next(k for k in sel[0] if k.startswith("avg@"))
+        for key, metric in (("accuracy", "accuracy"), (avg, "avg@k")):
+            if len(sel) > 1:
+                out[lr, metric] = float(np.std([r[key] for r in sel], ddof=1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.source_swap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="run folder(s) (config.json, rounds.jsonl, round-NNN/); several: replicates")
+    p.add_argument("--round", type=int, required=True, help="T: the increment of round T, receivers start from round T-1")
+    p.add_argument("--sources", default="1,3", help="comma-separated source multipliers a (φ_a = θ_{T-1} + aΔ_T)")
+    p.add_argument("--receiver-rounds", type=int, default=3)
+    p.add_argument("--num-clients", type=int, default=3)
+    p.add_argument("--bootstrap", type=int, default=5000)
+    p.add_argument("--grid", type=Path, default=None, help="an eval.sandbox results.json: its FedAvg seed spread sizes the power analysis")
+    p.add_argument("--out", type=Path, default=None, help="default: RUN/source-swap-T; with several runs, OUT/<run name>/ and OUT/summary.json")
+    args = p.parse_args(argv)
+
+    try:
+        sources = [float(a) for a in args.sources.split(",")]
+        if len(sources) < 2:
+            raise ValueError("--sources: at least two multipliers")
+        for run in args.runs:
+            if not (run / "config.json").is_file() or not (run / "rounds.jsonl").is_file():
+                raise ValueError(f"'{run}' is not a run folder (config.json and rounds.jsonl)")
+        if args.grid is not None and not args.grid.is_file():
+            raise ValueError(f"--grid: '{args.grid}' does not exist")
+        results = []
+        for run in args.runs:
+            out = (args.out / run.name if len(args.runs) > 1 else args.out) if args.out else run / f"source-swap-{args.round:03d}"
+            results.append(swap_one(run, args.round, sources, args.receiver_rounds, args.num_clients, args.bootstrap, out))
+    except (OSError, ValueError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+    for result in results:
+        k = next(key for key in result["models"]["start"] if key.startswith("avg@"))
+        print(f"\n{result['run']} (lr {result['lr']:g}, seed {result['seed']})")
+        print(f"| Model | greedy (%) | {k} (%) |\n|---|---:|---:|")
+        for name, m in result["models"].items():
+            print(f"| {name} | {m['accuracy']:.1f} | {m[k]:.1f} |")
+        for d in result["differences"]:
+            print(f"  {d['model']} − {d['minus']} {d['metric']}: {d['difference']:+.2f} pp [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]")
+        for dist in result["source_distance"]:
+            print(f"  K̂ from source a = {dist['reference']:g}: " + ", ".join(f"a = {a:g}: max {m:.4f}" for a, m in zip(dist["multipliers"], dist["max"])))
+    if len(results) > 1:
+        summary = replicate_summary(results, args.bootstrap, grid_spread(args.grid) if args.grid else None)
+        folder = args.out or Path(".")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2) + "\n")
+        print("\n| Difference | lr | metric | mean (pp) | seed-bootstrap 95% | sd | detectable (80% power) |\n|---|---|---|---:|---|---:|---:|")
+        for row in summary:
+            print(f"| {row['model']} − {row['minus']} | {row['lr']:g} | {row['metric']} | {row['mean']:+.2f} | "
+                  f"[{row['by_seed'][0]:+.2f}, {row['by_seed'][1]:+.2f}] | {row['sd']:.2f} | {row['detectable']:.2f} |")
+        print(f"\n{folder / 'summary.json'}")
     return 0
 
 

@@ -312,7 +312,8 @@ _key("strategy.multiplier", "strategy.multiplier",
       "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"))
 _key("strategy.candidates", "strategy.candidates",
      (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"))
-_key("strategy.trust-budget", "strategy.trust_budget", _float(0.0, strict=False))
+_key("strategy.trust-budget", "strategy.trust_budget",
+     (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"))
 _key("strategy.fraction-train", "strategy.fraction_train", _float(0.0, strict=True, hi=1.0))
 _key("strategy.min-train-clients", "strategy.min_train_clients", _int(1))
 _key("cache.rollouts", "cache.rollouts", _int(1))

@@ -103,3 +103,90 @@ def load_adapter(path: str | Path, names: Sequence[str] | None = None) -> dict[s
     if missing:
         raise ValueError(f"adapter '{path}' lacks {len(missing)} factors, e.g. '{missing[0]}'")
     return {n: tensors[n].astype(np.float32) for n in names}
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation error of averaging the factors (paper App. "Coordinate-level meaning for LoRA")
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_modules(names: Sequence[str]) -> list[tuple[str, str]]:
+    """(A name, B name) of every LoRA module in ``names`` (PEFT's ``…lora_A.…`` / ``…lora_B.…``)."""
+    present = set(names)
+    pairs = []
+    for name in names:
+        if ".lora_A." in name:
+            partner = name.replace(".lora_A.", ".lora_B.")
+            if partner not in present:
+                raise ValueError(f"LoRA factor '{name}' has no B factor '{partner}'")
+            pairs.append((name, partner))
+    if not pairs:
+        raise ValueError("no LoRA A/B factor pairs among the adapter's names")
+    return pairs
+
+
+def product_gram(factor_sets: Sequence[Mapping[str, np.ndarray]]) -> np.ndarray:
+    """M[k, l] = Σ over LoRA modules of ⟨B_k A_k, B_l A_l⟩_F for the adapters ``factor_sets``.
+
+    Never forms a d_out × d_in product: ⟨B_k A_k, B_l A_l⟩_F = tr(B_kᵀB_l · A_l A_kᵀ), a sum over
+    the elementwise product of two r × r Gram blocks. Float64 throughout. ‖Σ_k c_k B_k A_k‖_F² over
+    all modules is then cᵀMc.
+    """
+    m = len(factor_sets)
+    gram = np.zeros((m, m))
+    for a_name, b_name in lora_modules(list(factor_sets[0])):
+        sa, sb = np.shape(factor_sets[0][a_name]), np.shape(factor_sets[0][b_name])
+        if len(sa) != 2 or len(sb) != 2 or sb[1] != sa[0]:
+            raise ValueError(f"'{a_name}' {sa} and '{b_name}' {sb} are not LoRA factors A (r × d_in) and B (d_out × r)")
+        a = np.stack([np.asarray(f[a_name], dtype=np.float64) for f in factor_sets])  # (m, r, d_in)
+        b = np.stack([np.asarray(f[b_name], dtype=np.float64) for f in factor_sets])  # (m, d_out, r)
+        gram += np.einsum("kor,los,kri,lsi->kl", b, b, a, a, optimize=True)
+    return gram
+
+
+def _combination_norm(gram: np.ndarray, coefficients: Sequence[float]) -> float:
+    c = np.asarray(coefficients, dtype=np.float64)
+    return float(np.sqrt(max(float(c @ gram @ c), 0.0)))  # ≥ 0 up to float64 rounding
+
+
+def aggregation_errors(
+    theta: Mapping[str, np.ndarray],
+    clients: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float],
+    applied: Mapping[str, np.ndarray] | None = None,
+    multiplier: float | None = None,
+) -> dict[str, float | None]:
+    """What averaging the LoRA factors separately costs in this round, over all LoRA modules.
+
+    With P = BA per module, P_t of θ_t, P_i of client i's update and w_i the normalised weights:
+
+    * ``mean``: ‖Σ_i w_i P_i − B̄Ā‖_F / ‖Σ_i w_i P_i − P_t‖_F, where B̄ = Σ_i w_i B_i and Ā = Σ_i w_i A_i
+      (the error of the average of the products that FedAvg's factor average makes, relative to
+      the update that averaging the products would make);
+    * ``applied``: the same for the adapter actually applied, θ_t + aΔ_t (``applied``, a =
+      ``multiplier``), against the target P_t + a(Σ_i w_i P_i − P_t): ‖P_t + a(Σ_i w_i P_i − P_t) −
+      B'A'‖_F / ‖a(Σ_i w_i P_i − P_t)‖_F. At a = 1 it is ``mean``.
+
+    None where the denominator is 0 (no client moved the product, or a = 0). Computed from r × r
+    Gram matrices (:func:`product_gram`).
+    """
+    if not clients or len(clients) != len(weights):
+        raise ValueError("aggregation_errors: one weight per client, at least one client")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError("aggregation_errors: weights must be positive")
+    w = w / w.sum()
+    mean = {k: sum(wi * np.asarray(c[k], dtype=np.float64) for wi, c in zip(w, clients)) for k in theta}
+    sets = [theta, *clients, mean] + ([applied] if applied is not None else [])
+    gram = product_gram(sets)
+    change = _combination_norm(gram, [-1.0, *w, 0.0] + ([0.0] if applied is not None else []))
+    error = _combination_norm(gram, [0.0, *w, -1.0] + ([0.0] if applied is not None else []))
+    out: dict[str, float | None] = {"mean": error / change if change > 0 else None, "applied": None}
+    if applied is not None:
+        if multiplier is None:
+            raise ValueError("aggregation_errors: an applied adapter needs its multiplier")
+        a = float(multiplier)
+        target_error = _combination_norm(gram, [1.0 - a, *(a * w), 0.0, -1.0])
+        scale = abs(a) * change
+        out["applied"] = target_error / scale if scale > 0 else None
+    return out

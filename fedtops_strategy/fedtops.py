@@ -53,7 +53,8 @@ class FedTOPS(ReplyScreening, FedAvg):
     candidates : Sequence[float] (default: (0.5, 1, 2, 3, 5, 10))
         Multipliers a, in the order that breaks ties.
     trust_budget : float (default: 0.05)
-        δ: a candidate is feasible when every client's K̂_i(a) <= δ (+1e-8).
+        δ: a candidate is feasible when every client's K̂_i(a) <= δ (+1e-8). ``inf``: every
+        candidate with finite scores is feasible, and the lowest Ĵ wins.
     score_tol, feasibility_tol : float (default: 1e-9, 1e-8)
         Tolerances of the selection rule.
     **kwargs
@@ -74,8 +75,8 @@ class FedTOPS(ReplyScreening, FedAvg):
         super().__init__(**kwargs)
         if not candidates:
             raise ValueError("FedTOPS needs at least one candidate multiplier")
-        if not math.isfinite(trust_budget) or trust_budget < 0:
-            raise ValueError(f"trust_budget must be a finite number >= 0, got {trust_budget}")
+        if not trust_budget >= 0:  # NaN fails too; inf is no constraint
+            raise ValueError(f"trust_budget must be a number >= 0 or inf, got {trust_budget}")
         self.candidates = tuple(float(a) for a in candidates)
         self.trust_budget = float(trust_budget)
         self.score_tol = score_tol
@@ -155,6 +156,7 @@ class FedTOPS(ReplyScreening, FedAvg):
         record["multiplier"] = selection.multiplier
 
         new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), selection.multiplier)
+        self.record_aggregation_error(server_round, new, selection.multiplier)
         metrics = MetricRecord({"multiplier": selection.multiplier, "num-feasible": selection.num_feasible})
         if selection.teacher_scores is not None:
             metrics["teacher-scores"] = selection.teacher_scores

@@ -30,6 +30,7 @@ class LocalTraining(ReplyScreening, FedAvg):
 
     strategy_name = "local"
     learner = "local"
+    averages_factors = False
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -69,6 +70,7 @@ class Centralized(ReplyScreening, FedAvg):
 
     strategy_name = "centralized"
     learner = "centralized"
+    averages_factors = False  # one learner: nothing is averaged
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """One train message, to the sampled node with the smallest id; its config asks for the

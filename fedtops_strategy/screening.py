@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
-from fedopd.lora import Named, check_compatible, from_record
+from fedopd.lora import Named, aggregation_errors, check_compatible, from_record
 
 WEIGHT_KEY = "num-examples"
 
@@ -106,6 +106,7 @@ class ReplyScreening:
     strategy_name = "fedavg"
     learner = "federated"
     builds_scoring_cache = False
+    averages_factors = True  # records the aggregation error of averaging the LoRA factors
     sampling_seed = 0  # the run's seed (make_strategy): which nodes round t samples
 
     def __init__(self, *args, **kwargs) -> None:
@@ -116,6 +117,7 @@ class ReplyScreening:
         self.round_started = 0.0
         self.first_round: int | None = None  # the first round this strategy configured
         self.sampled_node_ids: list[int] = []  # the nodes the current round's train messages went to
+        self._averaged: tuple[list[Named], list[float]] = ([], [])  # the round's kept client factors and weights
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._theta = arrays
@@ -191,7 +193,24 @@ class ReplyScreening:
         record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
         if arrays is None:
             record["hold-reason"] = "no valid client update"
+        elif self.averages_factors:
+            self._averaged = ([from_record(next(iter(m.content.array_records.values()))) for m in kept],
+                              [float(c[WEIGHT_KEY]) for c in record["clients"]])
+            self.record_aggregation_error(server_round, from_record(arrays), record["multiplier"])
         return arrays, metrics
+
+    def record_aggregation_error(self, server_round: int, applied: Named, multiplier: float) -> None:
+        """Write the round's ``aggregation-error`` (the factor average against the average of the
+        products BA) and ``aggregation-error-applied`` (the same for θ_t + aΔ_t) to its record
+        (:func:`fedopd.lora.aggregation_errors`; None where the update is 0)."""
+        clients, weights = self._averaged
+        try:
+            errors = aggregation_errors(self.theta_arrays(), clients, weights, applied, multiplier)
+        except ValueError as err:  # a diagnostic never stops a round: factors without A/B pairs
+            log(WARNING, "round %d: no aggregation error: %s", server_round, err)
+            errors = {"mean": None, "applied": None}
+        self.records[server_round]["aggregation-error"] = errors["mean"]
+        self.records[server_round]["aggregation-error-applied"] = errors["applied"]
 
     @property
     def default_multiplier(self) -> float:

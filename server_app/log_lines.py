@@ -68,6 +68,18 @@ def communication_summary(record: dict) -> str:
     return f" | {human_bytes(communication['sent'])} sent, {human_bytes(communication['received'])} received"
 
 
+def aggregation_error_summary(record: dict) -> str:
+    """`` | factor-average error 6.70% (applied 2.54%)``: what averaging the LoRA factors
+    separately cost this round, relative to the update (absent for Local and Centralized)."""
+    mean, applied = record.get("aggregation-error"), record.get("aggregation-error-applied")
+    if mean is None:
+        return ""
+    line = f" | factor-average error {100 * mean:.2f}%"
+    if applied is not None and record.get("multiplier") != 1.0:
+        line += f" (applied {100 * applied:.2f}%)"
+    return line
+
+
 def round_summary(record: dict, num_rounds: int) -> str:
     """One readable line per round for ``flwr run --stream``."""
     if record["round"] == 0:
@@ -99,6 +111,6 @@ def round_summary(record: dict, num_rounds: int) -> str:
     a = "-" if a is None else f"{a:g}"
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
-        f"feasible {feasible} | client {what} {kl}{evaluation_summary(record.get('evaluation'))}"
+        f"feasible {feasible} | client {what} {kl}{aggregation_error_summary(record)}{evaluation_summary(record.get('evaluation'))}"
         f"{communication_summary(record)} | {record.get('seconds', 0.0):.1f} s{flags}"
     )

@@ -5,7 +5,8 @@ finished run folder: ``python -m server_app.progress RUN_FOLDER`` redraws its fi
 
 Scalars per round (:func:`round_scalars`): held-out greedy accuracy and Avg@k (evaluated rounds),
 the clients' OPD loss at the round's first and last mini-batch (and the exact KL before/after
-with ``train.exact-kl``), FedTOPS's Ĵ at the selected multiplier, the multiplier, round seconds,
+with ``train.exact-kl``), FedTOPS's Ĵ at the selected multiplier, the multiplier, the aggregation
+error of averaging the LoRA factors (% of the update; mean factors and applied update), round seconds,
 and the round's communication in MB (10⁶ bytes): sent to and received from the clients, and per
 phase (train, score, evaluate; sent + received). The figure shows the communication cumulated
 over the run.
@@ -27,6 +28,8 @@ LABELS = {
     "clients/kl_before": "KL on all rollouts, before",
     "clients/kl_after": "KL on all rollouts, after",
     "server/teacher_score_selected": "Ĵ(a_t) on the scoring caches",
+    "server/aggregation_error": "mean factors: ‖Σw_iB_iA_i − B̄Ā‖ / ‖Σw_iB_iA_i − B_tA_t‖",
+    "server/aggregation_error_applied": "applied update θ_t + a_tΔ_t",
     "comm/sent_mb": "sent to the clients",
     "comm/received_mb": "received from the clients",
     "comm/train_mb": "train (θ_t out, θ_t,i⁺ back)",
@@ -59,6 +62,9 @@ def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
         candidates, scores = record.get("candidates") or [], record.get("teacher_scores") or []
         if a in candidates and len(scores) == len(candidates):
             out["server/teacher_score_selected"] = float(scores[candidates.index(a)])
+    for key in ("aggregation-error", "aggregation-error-applied"):
+        if record.get(key) is not None:
+            out[f"server/{key.replace('-', '_')}"] = 100.0 * float(record[key])
     if "seconds" in record:
         out["server/round_seconds"] = float(record["seconds"])
     communication = record.get("communication")
@@ -83,7 +89,7 @@ def figure_series(rows: list[tuple[int, Mapping[str, float]]], key: str) -> tupl
 
 
 def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path:
-    """Write the run's figure (six panels over rounds) atomically to ``path``."""
+    """Write the run's figure (seven panels over rounds) atomically to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,18 +101,21 @@ def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path
     def series(key: str) -> tuple[list[int], list[float]]:
         return figure_series(rows, key)
 
-    fig = Figure(figsize=(15, 7), layout="constrained")
-    axes = fig.subplots(2, 3, sharex=True)
+    fig = Figure(figsize=(20, 7), layout="constrained")
+    axes = fig.subplots(2, 4, sharex=True)
     panels = [
         (axes[0, 0], "held-out accuracy (%)",
          ["heldout/greedy"] + sorted({k for _, s in rows for k in s if k.startswith("heldout/avg@")})),
         (axes[0, 1], "KL to the teacher (nats per token)",
          ["clients/loss_first", "clients/loss_last", "clients/kl_before", "clients/kl_after", "server/teacher_score_selected"]),
         (axes[0, 2], "selected multiplier a", ["server/multiplier"]),
+        (axes[0, 3], "error of averaging the LoRA factors (% of the update)",
+         ["server/aggregation_error", "server/aggregation_error_applied"]),
         (axes[1, 0], "round time (s)", ["server/round_seconds"]),
         (axes[1, 1], "communication since round 0 (MB, all clients)", list(CUMULATIVE)),
         (axes[1, 2], "communication per round by phase (MB, sent + received)", [f"comm/{phase}_mb" for phase in PHASES]),
     ]
+    axes[1, 3].set_visible(False)
     stacked = axes[1, 2]  # a bar per round, one segment per phase
     for ax, label, keys in panels:
         drawn = False

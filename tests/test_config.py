@@ -1,5 +1,7 @@
 """Validation of the run config: bad values fail before work starts, naming the key."""
 
+import json
+
 import pytest
 
 from fedopd.config import ConfigError, RunConfig, parse_run_config
@@ -21,7 +23,8 @@ def test_flat_keys_fill_the_groups():
     "key, value, message",
     [
         ("strategy.name", "fedprox", "'strategy.name' = 'fedprox' is invalid; allowed: one of 'fedavg', 'fixed', 'fedtops'"),
-        ("strategy.trust-budget", -0.1, "'strategy.trust-budget' = -0.1 is invalid; allowed: a finite number >= 0.0"),
+        ("strategy.trust-budget", -0.1, "'strategy.trust-budget' = -0.1 is invalid; allowed: a number >= 0, or inf"),
+        ("strategy.trust-budget", "nan", "'strategy.trust-budget' = 'nan' is invalid; allowed: a number >= 0, or inf"),
         ("strategy.candidates", "0.5,,2", "'strategy.candidates' = '0.5,,2' is invalid: empty entry"),
         ("strategy.candidates", "1,two", "'strategy.candidates' = '1,two' is invalid"),
         ("strategy.candidates", "1,1", "duplicate candidates"),
@@ -167,3 +170,14 @@ def test_data_seed_is_a_non_negative_integer_with_the_papers_42_as_default():
     assert RunConfig().data.seed == 42
     with pytest.raises(ConfigError, match="'data.seed' = -1 is invalid; allowed: an integer >= 0"):
         parse_run_config({"data.seed": -1})
+
+
+def test_an_infinite_trust_budget_parses_and_survives_config_json(tmp_path):
+    from server_app.run_folder import _jsonable  # what config.json is written through
+
+    for raw in ("inf", float("inf"), "Infinity"):
+        assert parse_run_config({"strategy.trust-budget": raw}).strategy.trust_budget == float("inf")
+    resolved = parse_run_config({"strategy.trust-budget": "inf"}).to_run_config()
+    written = json.loads(json.dumps(_jsonable(resolved)))  # config.json has no Infinity literal
+    assert written["strategy.trust-budget"] == "inf"
+    assert parse_run_config(written).to_run_config() == resolved

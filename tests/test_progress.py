@@ -109,3 +109,18 @@ def test_a_round_whose_multiplier_was_capped_says_so_in_its_line():
     )
     uncapped = {**record, "multiplier-cap": None, "unscored-node-ids": []}
     assert "capped" not in round_summary(uncapped, 4)
+
+
+def test_the_aggregation_error_is_a_scalar_in_percent_and_part_of_the_round_line():
+    from server_app.log_lines import round_summary
+
+    record = {"round": 3, "strategy": "fixed", "multiplier": 3.0, "clients": [], "seconds": 1.0,
+              "aggregation-error": 0.0671, "aggregation-error-applied": 0.254}
+    s = round_scalars(record)
+    assert s["server/aggregation_error"] == pytest.approx(6.71) and s["server/aggregation_error_applied"] == pytest.approx(25.4)
+    assert "| factor-average error 6.71% (applied 25.40%) |" in round_summary(record, 4)
+    # a = 1: the applied update is the mean; a hold: no applied error; Local: no error at all
+    assert round_summary({**record, "multiplier": 1.0}, 4).count("6.71%") == 1 and "applied" not in round_summary({**record, "multiplier": 1.0}, 4)
+    held = {**record, "multiplier": 0.0, "aggregation-error-applied": None}
+    assert "applied" not in round_summary(held, 4) and "server/aggregation_error_applied" not in round_scalars(held)
+    assert "factor-average" not in round_summary({"round": 1, "strategy": "local", "clients": []}, 4)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from eval import sandbox
-from eval.source_swap import paired_bootstrap, recover_increment
+from eval.bootstrap import paired_bootstrap
+from eval.source_swap import recover_increment
 
 
 def _row(method, lr, seed, acc, a=None):
@@ -82,3 +83,121 @@ def test_the_paired_bootstrap_difference_and_interval():
     assert same == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="same questions"):
         paired_bootstrap(a, b[:3], 10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Trust-budget sweep, reuse across grids, per-problem intervals
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_trust_budget_method_records_its_delta_in_its_name_and_settings():
+    assert sandbox.trust_budget_method(0.05) == "fedtops-d0.05" and sandbox.trust_budget_method(float("inf")) == "fedtops-dinf"
+    assert sandbox.method_trust_budget("fedtops-d0.02") == 0.02 and sandbox.method_trust_budget("fedtops") is None
+    assert sandbox.method_settings("fedtops-dinf") == {"strategy.name": "fedtops", "strategy.trust-budget": float("inf")}
+    assert sandbox.method_title("fedtops-dinf") == "FedTOPS δ = ∞" and sandbox.method_title("fedtops-d0.1") == "FedTOPS δ = 0.1"
+    assert sandbox.parse_trust_budgets("0.01, 0.1,inf") == (0.01, 0.1, float("inf"))
+    for bad, what in (("0.1,-1", "'-1'"), ("0.1,x", "'x'"), ("nan", "'nan'"), ("0.1,0.1", "repeated")):
+        with pytest.raises(ValueError, match=what):
+            sandbox.parse_trust_budgets(bad)
+
+
+def test_the_grid_refuses_a_bad_trust_budget_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sandbox.main(["--trust-budgets", "0.1,-2", "--out", str(tmp_path / "out")])
+    assert "--trust-budgets" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def _write_run(folder, config, rounds):
+    from fedopd.config import parse_run_config
+    from server_app.run_folder import _jsonable
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(_jsonable(parse_run_config(config).to_run_config())))
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    return folder
+
+
+def test_a_finished_run_is_reused_from_another_cells_folder_when_only_the_output_dir_differs(tmp_path):
+    # FedTOPS at the preset's δ = 0.05 run by the 6-method grid is the δ = 0.05 cell of a sweep
+    grid = sandbox.run_config("fedtops", 3e-4, 1, 1, 0, tmp_path / "runs" / "fedtops-lr0.0003-seed1")
+    sweep = sandbox.run_config("fedtops-d0.05", 3e-4, 1, 1, 0, tmp_path / "runs" / "fedtops-d0.05-lr0.0003-seed1")
+    run = _write_run(tmp_path / "runs" / "fedtops-lr0.0003-seed1" / "r", grid, [{"round": 1, "multiplier": 1.0}])
+    assert sandbox.finished_run(tmp_path / "runs", sweep) == run  # eval.every = 0: no evaluation needed
+    assert sandbox.finished_run(tmp_path / "runs", sandbox.run_config("fedtops-dinf", 3e-4, 1, 1, 0, tmp_path)) is None
+
+
+def test_a_result_row_counts_infeasible_rounds_per_candidate_and_averages_the_aggregation_error(tmp_path):
+    config = sandbox.run_config("fedtops-d0.1", 3e-3, 0, 3, 3, tmp_path)
+    cands = [0.5, 1.0, 3.0]
+    rounds = [
+        {"round": 0, "evaluation": {"accuracy": 10.0, "avg@8": 5.0, "pass@8": 20.0}},
+        # δ = 0.1: round 1 only a = 3 infeasible (0.2 > 0.1 for the second client)
+        {"round": 1, "multiplier": 1.0, "candidates": cands, "change_scores": [[0.0, 0.01, 0.05], [0.0, 0.02, 0.2]],
+         "aggregation-error": 0.1, "aggregation-error-applied": 0.1},
+        # round 2: everything infeasible, a hold; no applied error
+        {"round": 2, "multiplier": 0.0, "candidates": cands, "change_scores": [[0.3, 0.4, 0.5]],
+         "aggregation-error": 0.3, "aggregation-error-applied": None},
+        {"round": 3, "multiplier": 0.5, "candidates": cands, "change_scores": [[0.1, 0.2, 0.3]],
+         "aggregation-error": 0.2, "aggregation-error-applied": 0.4,
+         "evaluation": {"accuracy": 40.0, "avg@8": 30.0, "pass@8": 60.0}},
+    ]
+    row = sandbox.result_row("fedtops-d0.1", 3e-3, 0, _write_run(tmp_path / "run", config, rounds))
+    assert row["infeasible_rounds"] == [1, 2, 3] and row["scored_rounds"] == 3 and row["held_rounds"] == 1
+    assert row["mean_multiplier"] == pytest.approx(0.5) and row["trust_budget"] == 0.1
+    assert row["aggregation_error"] == pytest.approx(0.2) and row["aggregation_error_applied"] == pytest.approx(0.25)
+    assert (row["accuracy"], row["avg@8"]) == (40.0, 30.0)
+    text = sandbox.trust_budget_table([row, {**row, "seed": 1, "accuracy": 50.0, "infeasible_rounds": [0, 0, 3]}], 8)
+    # two seeds: 6 scored rounds; a = 0.5 infeasible in 1 of them (17 %), a = 1 in 2 (33 %), a = 3 in 6
+    assert "| 0.003 | 0.1 | 45.0 ± 7.1 | 30.0 ± 0.0 | 0.50 | 2 | 17 | 33 | 100 |" in text
+
+
+def test_seed_and_problem_bootstraps_of_a_paired_difference():
+    from eval.bootstrap import problem_bootstrap, seed_bootstrap
+
+    # 2 seeds × 4 problems × 1 sample; B − A per seed: +25 pp and +75 pp, per problem (mean over
+    # seeds): +100, +50, +50, 0 pp
+    a = np.zeros((2, 4, 1))
+    b = np.array([[1, 0, 0, 0], [1, 1, 1, 0]], float)[:, :, None]
+    diff, lo, hi = seed_bootstrap(a, b, 4000, seed=0)
+    assert diff == pytest.approx(50.0) and lo == pytest.approx(25.0) and hi == pytest.approx(75.0)  # resamples: 25, 50 or 75
+    diff, lo, hi = problem_bootstrap(a, b, 4000, seed=0)
+    assert diff == pytest.approx(50.0) and 0.0 <= lo < 50.0 < hi <= 100.0
+    assert problem_bootstrap(a, a, 10) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same seeds and problems"):
+        seed_bootstrap(a, b[:1], 10)
+
+
+def test_the_detectable_difference_is_2_8_standard_errors():
+    from eval.bootstrap import detectable_difference
+
+    assert detectable_difference(1.0, 1) == pytest.approx(1.959964 + 0.841621, rel=1e-6)
+    assert detectable_difference(3.0, 9) == pytest.approx(2.801585, rel=1e-6)  # 3 / sqrt(9) = 1
+
+
+def test_the_intervals_pair_each_seed_and_problem_of_the_two_methods(tmp_path):
+    rows = []
+    for method, grades in (("fedavg", [[0, 0, 1, 1], [0, 1, 1, 1]]), ("fedtops", [[1, 0, 1, 1], [1, 1, 1, 1]])):
+        for seed, g in enumerate(grades):
+            run = tmp_path / f"{method}-{seed}"
+            run.mkdir()
+            np.savez(run / sandbox.GRADES, greedy=np.array(g, float), sampled=np.array(g, float)[:, None].repeat(2, axis=1))
+            rows.append({"method": method, "lr": 1e-3, "seed": seed, "run": str(run)})
+    found = sandbox.intervals(rows, draws=200)
+    assert [(d["a"], d["b"], d["metric"]) for d in found] == [("fedavg", "fedtops", "accuracy"), ("fedavg", "fedtops", "avg@k")]
+    assert found[0]["per_seed"] == [25.0, 25.0] and found[0]["difference"] == 25.0 and found[0]["by_seed"] == [25.0, 25.0]
+
+
+def test_replicates_of_the_source_swap_give_a_mean_a_seed_interval_and_a_detectable_difference():
+    from eval.bootstrap import DETECTABLE_Z
+    from eval.source_swap import replicate_summary
+
+    def result(seed, diff):
+        return {"lr": 1e-3, "seed": seed, "differences": [{"model": "source a=3", "minus": "source a=1", "metric": "accuracy", "difference": diff}]}
+
+    (row,) = replicate_summary([result(0, 2.0), result(1, 4.0)], 1000, {(1e-3, "accuracy"): 1.0})
+    assert (row["mean"], row["per_run"], row["runs"]) == (3.0, [2.0, 4.0], 2)
+    assert row["by_seed"][0] >= 2.0 and row["by_seed"][1] <= 4.0
+    # sd of (2, 4) = √2; 2 replicates: 2.8 · √2 / √2
+    assert row["sd"] == pytest.approx(np.sqrt(2)) and row["detectable"] == pytest.approx(DETECTABLE_Z)
+    # from the grid: two independent models of seed sd 1 differ with sd √2
+    assert row["detectable_from_grid"] == {1: pytest.approx(DETECTABLE_Z * np.sqrt(2)), 2: pytest.approx(DETECTABLE_Z)}

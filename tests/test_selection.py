@@ -191,3 +191,12 @@ def test_select_round_uses_the_weighted_scores_and_its_tolerances():
     k = _k([0.0, 0.0, 0.05 + 5e-9, 0.06, 0.06, 0.06])
     strict = select_round(CANDIDATES, [[0.5, 0.4, 0.3, 0.2, 0.1, 0.0]], k, [1], 0.05, all_scored=True, feasibility_tol=0.0)
     assert (strict.multiplier, strict.num_feasible) == (1.0, 2)
+
+
+def test_an_infinite_trust_budget_makes_every_finite_candidate_feasible_and_the_lowest_score_wins():
+    # K = 1e6 would be infeasible at any finite δ; at δ = inf a = 10 (lowest Ĵ) wins over FedAvg
+    change = [[0.0, 0.1, 1e6], [0.0, 0.2, 5e5]]
+    assert select_multiplier([0.5, 1.0, 10.0], [0.3, 0.2, 0.1], change, math.inf) == 10.0
+    assert select_multiplier([0.5, 1.0, 10.0], [0.3, 0.2, 0.1], change, 1.0) == 1.0
+    # a NaN change score is still infeasible: never a "no constraint" candidate
+    assert select_multiplier([1.0, 10.0], [0.2, 0.1], [[0.0, math.nan]], math.inf) == 1.0

@@ -11,7 +11,7 @@ from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
 from fedopd.rollout import HFRolloutEngine
 from fedopd.round import ClientModels, train_round
-from precision import U32
+from precision import U32, coarse_kl_pair_error, logit_error, lse_error
 
 pytestmark = pytest.mark.slow
 
@@ -66,4 +66,34 @@ def test_source_swap_runs_on_a_run_folder_and_reports_paired_differences(tmp_pat
     assert list(result["models"]) == ["start", "source a=1", "source a=3"] and result["questions"] == 9
     assert {(d["model"], d["minus"]) for d in result["differences"]} >= {("source a=3", "source a=1")}
     assert (tmp_path / "swap" / "receiver-a3" / "adapter_model.safetensors").is_file()
+    # how far the sources are apart: from θ_1 to φ_1 and φ_3, and from φ_1 to φ_3, per client
+    to_sources, between = result["source_distance"]
+    assert (to_sources["reference"], to_sources["multipliers"], between["reference"], between["multipliers"]) == (0.0, [1.0, 3.0], 1.0, [3.0])
+    assert len(between["per_client"]) == 3 and between["max"][0] == max(k[0] for k in between["per_client"]) > 0
     assert main([str(run), "--round", "5"]) == 1  # a round the run does not have
+
+
+def test_a_source_is_at_distance_zero_from_itself(tmp_path):
+    from eval.source_swap import recover_increment, source_distance
+    from fedopd.lora import load_adapter
+    from server_app.app import run_server
+    from server_app.inprocess import InProcessGrid, task_identity
+    from client_app.app import app
+
+    cfg = parse_run_config({
+        **TINY, "data.name": "sandbox", "strategy.name": "fedavg", "num-server-rounds": 1, "data.prompts-per-client": 8,
+        "rollout.per-round": 4, "rollout.max-new-tokens": 8, "train.mini-batch": 4, "eval.every": 0, "output-dir": str(tmp_path),
+    })
+    with task_identity():
+        run = run_server(InProcessGrid(app, cfg.to_run_config(), 3), cfg)
+        theta = load_adapter(run / "round-000")
+        delta = recover_increment(theta, load_adapter(run / "round-001"), 1.0)
+        found = source_distance(cfg, theta, delta, 1.0, [1.0, 3.0], 0, 3)
+        from client_app.worker import setup
+
+        student = setup(cfg, 0, 3)[0].student
+    # KL(π̃ ‖ π̃) = 0 exactly, but the candidate's forward is stacked and the cache's is not: two fp32
+    # forwards of the same adapter differ by the rounding of the logits and of their logsumexp,
+    # |K̂ − 0| ≤ coarse_kl_pair_error(0, δ, ε) (tests/precision.py)
+    bound = coarse_kl_pair_error(0.0, logit_error(student, 64), lse_error(student))
+    assert max(k[0] for k in found["per_client"]) <= bound < 1e-3 and found["max"][1] > 10 * bound

@@ -1,0 +1,146 @@
+"""The aggregation error of averaging LoRA factors separately (fedopd.lora.aggregation_errors),
+checked against explicit d_out × d_in products and hand calculations, and as the strategies
+record it every round."""
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from fedopd.lora import aggregation_errors, lora_modules, product_gram
+from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg
+from fedtops_strategy.references import Centralized, LocalTraining
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def _scalar(b, a):
+    """A one-module adapter with 1 × 1 factors: B A = b · a."""
+    return {"m.lora_A.weight": np.array([[a]], np.float32), "m.lora_B.weight": np.array([[b]], np.float32)}
+
+
+def test_two_scalar_clients_by_hand():
+    # θ_t = (0, 0); clients (B, A) = (2, 2) and (0, 0), equal weights.
+    # mean of products 0.5·4 + 0.5·0 = 2; product of means 1·1 = 1; update 2 − 0 = 2: error 1/2.
+    theta, clients = _scalar(0, 0), [_scalar(2, 2), _scalar(0, 0)]
+    # a = 2: factors (2, 2), product 4 = the target 0 + 2·2: no error.
+    assert aggregation_errors(theta, clients, [1, 1], _scalar(2, 2), 2.0) == {"mean": 0.5, "applied": 0.0}
+    # a = 3: product 9, target 6: |6 − 9| / |3 · 2| = 1/2.
+    assert aggregation_errors(theta, clients, [1, 1], _scalar(3, 3), 3.0) == {"mean": 0.5, "applied": 0.5}
+    # weights 3:1: mean of products 3; product of means 1.5 · 1.5 = 2.25: |3 − 2.25| / 3 = 1/4
+    assert aggregation_errors(theta, clients, [3, 1])["mean"] == pytest.approx(0.25, rel=1e-12)
+
+
+def _random_adapter(rng, shapes, scale=1.0):
+    out = {}
+    for name, (r, d_in, d_out) in shapes.items():
+        out[f"{name}.lora_A.weight"] = (scale * rng.standard_normal((r, d_in))).astype(np.float32)
+        out[f"{name}.lora_B.weight"] = (scale * rng.standard_normal((d_out, r))).astype(np.float32)
+    return out
+
+
+def _explicit(theta, clients, weights, applied, a):
+    """The definition with the products formed, in float64."""
+    w = np.asarray(weights, float) / np.sum(weights)
+    err = chg = tgt = 0.0
+    for a_name, b_name in lora_modules(list(theta)):
+        prod = lambda f: np.asarray(f[b_name], float) @ np.asarray(f[a_name], float)  # noqa: E731
+        mean_of_products = sum(wi * prod(c) for wi, c in zip(w, clients))
+        b_bar = sum(wi * np.asarray(c[b_name], float) for wi, c in zip(w, clients))
+        a_bar = sum(wi * np.asarray(c[a_name], float) for wi, c in zip(w, clients))
+        err += np.sum((mean_of_products - b_bar @ a_bar) ** 2)
+        chg += np.sum((mean_of_products - prod(theta)) ** 2)
+        tgt += np.sum((prod(theta) + a * (mean_of_products - prod(theta)) - prod(applied)) ** 2)
+    return np.sqrt(err / chg), np.sqrt(tgt / (a * a * chg))
+
+
+def test_the_gram_computation_equals_the_explicit_products_over_several_modules():
+    rng = np.random.default_rng(0)
+    shapes = {"q": (4, 7, 5), "v": (2, 6, 9), "o": (4, 5, 3)}  # rank, d_in, d_out per module
+    theta = _random_adapter(rng, shapes)
+    clients = [{k: v + _random_adapter(rng, shapes, 0.3)[k] for k, v in theta.items()} for _ in range(3)]
+    weights = [5.0, 1.0, 2.5]
+    w = np.asarray(weights) / sum(weights)
+    a = 2.7
+    applied = {k: theta[k] + np.float32(a) * (sum(wi * c[k] for wi, c in zip(w, clients)).astype(np.float32) - theta[k]) for k in theta}
+    got = aggregation_errors(theta, clients, weights, applied, a)
+    mean, app = _explicit(theta, clients, weights, applied, a)
+    # Both in float64 from the same fp32 inputs; the Gram route cancels terms of size ‖BA‖², which
+    # here are within a factor ~100 of the squared numerators: agreement to ~1e-12 relative.
+    assert got["mean"] == pytest.approx(mean, rel=1e-9) and got["applied"] == pytest.approx(app, rel=1e-9)
+    assert 0.01 < got["mean"] < 1.0  # a non-trivial case
+
+
+def test_clients_that_share_their_a_factors_average_without_error():
+    rng = np.random.default_rng(1)
+    shapes = {"q": (3, 4, 5)}
+    theta = _random_adapter(rng, shapes)
+    clients = [dict(theta, **{"q.lora_B.weight": rng.standard_normal((5, 3)).astype(np.float32)}) for _ in range(3)]
+    # Σ w_i B_i A = B̄ A exactly: only the rounding of float64 sums remains
+    assert aggregation_errors(theta, clients, [1, 2, 3])["mean"] < 1e-7
+
+
+def test_no_update_and_a_hold_have_no_error_to_report():
+    theta = _scalar(1, 1)
+    assert aggregation_errors(theta, [theta, theta], [1, 1]) == {"mean": None, "applied": None}
+    moved = [_scalar(2, 2), _scalar(0, 0)]
+    assert aggregation_errors(theta, moved, [1, 1], theta, 0.0)["applied"] is None
+
+
+def test_factors_that_are_not_lora_pairs_are_refused():
+    with pytest.raises(ValueError, match="no B factor"):
+        lora_modules(["m.lora_A.weight"])
+    with pytest.raises(ValueError, match="not LoRA factors"):
+        product_gram([{"m.lora_A.weight": np.ones((2, 3)), "m.lora_B.weight": np.ones((3,))}])
+    with pytest.raises(ValueError, match="positive"):
+        aggregation_errors(_scalar(0, 0), [_scalar(1, 1)], [0.0])
+
+
+# ------------------------------------------------------------------------------------------------
+# As the strategies record it
+# ------------------------------------------------------------------------------------------------
+
+from tests.test_strategies import FakeGrid  # noqa: E402 - the same hand-made Grid
+
+THETA = _scalar(0.0, 0.0)
+UPDATES = {1: _scalar(2.0, 2.0), 2: _scalar(0.0, 0.0)}
+
+
+def _round(strategy, scores=None):
+    from flwr.app import Array, ArrayRecord
+
+    grid = FakeGrid({n: list(u.values()) for n, u in UPDATES.items()}, {1: 10, 2: 10}, scores=scores)
+    import tests.test_strategies as ts
+
+    keys, ts.KEYS = ts.KEYS, list(THETA)  # the fake replies carry this test's factor names
+    try:
+        arrays = ArrayRecord({k: Array(v) for k, v in THETA.items()})
+        new, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord(), grid)))
+        if new is not None and hasattr(strategy, "configure_score"):
+            new, _ = strategy.aggregate_score(1, grid.send_and_receive(strategy.configure_score(1, strategy.increment, grid)))
+    finally:
+        ts.KEYS = keys
+    return strategy.records[1]
+
+
+def _common():
+    return {"min_available_nodes": 2, "min_train_nodes": 2}
+
+
+def test_fedavg_and_a_fixed_multiplier_record_the_error_of_the_update_they_apply():
+    record = _round(LoRAFedAvg(**_common()))
+    assert (record["aggregation-error"], record["aggregation-error-applied"]) == (0.5, 0.5)  # a = 1: applied = mean
+    record = _round(FixedMultiplier(3.0, **_common()))
+    assert (record["aggregation-error"], record["aggregation-error-applied"]) == (0.5, 0.5)  # by hand above
+
+
+def test_fedtops_records_the_error_at_the_multiplier_it_selected():
+    # a = 2 has the lowest teacher score and every candidate is feasible: product (2·2) = target
+    scores = {n: ([0.3, 0.1, 0.2], [0.0, 0.0, 0.0]) for n in UPDATES}
+    record = _round(FedTOPS(candidates=(1.0, 2.0, 3.0), trust_budget=1.0, **_common()), scores)
+    assert record["multiplier"] == 2.0
+    assert (record["aggregation-error"], record["aggregation-error-applied"]) == (0.5, 0.0)
+
+
+def test_local_and_centralized_average_nothing_and_record_no_error():
+    assert "aggregation-error" not in _round(LocalTraining(**_common()))
+    assert "aggregation-error" not in _round(Centralized(**_common()))
