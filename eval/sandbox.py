@@ -1,27 +1,41 @@
 """The paper's learning-rate × method comparison on the CPU sandbox.
 
     python -m eval.sandbox [--lrs 3e-4,3e-3] [--methods local,centralized,fedavg,fixed3,fixed10,fedtops]
-                           [--seeds 0,1] [--rounds 10] [--eval-every 5] [--jobs 2] [--out sandbox-results]
+                           [--trust-budgets 0.01,0.05,inf] [--seeds 0,1] [--rounds 10] [--eval-every 5]
+                           [--jobs 2] [--out sandbox-results] [--runs DIR] [--bootstrap 5000]
                            [--run-config "num-clients=12 data.partitioner='dirichlet' ..."]
 
 Every run goes through the app's own ServerApp, ClientApp and strategies (in process, see
 :mod:`server_app.inprocess`) on the sandbox preset, changing only ``train.lr``, ``seed``, the
 method and the number of rounds. Budgets are equal as in the paper: every method sees the same
 rollouts per round (Centralized: the clients' combined rollouts in one learner) and the same
-mini-batch. Held-out evaluation runs every ``--eval-every`` rounds and in the last round.
-``--jobs`` runs that many grid cells at once in worker processes with one torch thread each (the
-sandbox models are small enough that two single-threaded runs beat one two-threaded run).
+mini-batch. Held-out evaluation runs every ``--eval-every`` rounds and in the last round (0: not
+during the runs). ``--jobs`` runs that many grid cells at once in worker processes with one torch
+thread each (the sandbox models are small enough that two single-threaded runs beat one
+two-threaded run).
+
+``--trust-budgets`` adds FedTOPS at each trust budget δ as a method of its own,
+``fedtops-d<δ>`` (``inf``: no constraint, the candidate with the lowest Ĵ wins).
 
 ``--run-config`` (repeatable, exactly as for ``flwr run``) changes the setting every cell runs in:
 the number of clients (``num-clients``, default 3), the partitioner, ``strategy.fraction-train``,
-the evaluation, ... The grid's own keys (the method's, ``train.lr``, ``seed``,
+``eval.prompts-per-client``, ... The grid's own keys (the method's, ``train.lr``, ``seed``,
 ``num-server-rounds``, ``eval.every``) come from the grid's options and cannot be overridden.
 
-Writes to ``--out``: ``runs/<method>-lr<lr>-seed<seed>/<run folder>`` (a finished run with the
-same configuration is reused, an unfinished one is left alone and run again), ``results.json``
-(one row per run), ``table.md`` (final held-out greedy accuracy and Avg@8, mean ± sd over seeds,
-best per learning rate in bold, FedTOPS's mean selected multiplier) and figures: accuracy per
-round per method, FedTOPS's selected multiplier per round, and Ĵ(a) − Ĵ(1) per round.
+After each run, the final adapter(s) are graded per problem on every client's held-out problems
+(``heldout-grades.npz`` in the run folder, with the seeds of the run's last evaluation, whose
+scores they must reproduce). The held-out problems are the same in every run, so two methods pair
+by seed and by problem.
+
+Writes to ``--out``: ``results.json`` (one row per run: final greedy, Avg@k, Pass@k, mean
+multiplier, mean aggregation errors, FedTOPS's infeasible rounds per candidate), ``intervals.json``
+(paired bootstrap intervals of FedTOPS − FedAvg and FedAvg − Local per learning rate, by seed and
+by problem), ``table.md`` (the tables: scores as mean ± sd over seeds with the best per learning
+rate in bold, the intervals, the aggregation error per method, the trust-budget sweep) and figures:
+accuracy per round per method (when evaluated during the runs), FedTOPS's selected multiplier per
+round, Ĵ(a) − Ĵ(1) per round, and final accuracy against δ (``trust_budget.png``). Run folders live
+in ``--runs`` (default ``OUT/runs``); a finished run with the same configuration anywhere under
+it is reused, so grids that share ``--runs`` share their common cells.
 """
 
 from __future__ import annotations
@@ -317,6 +331,30 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         written.append(out / "accuracy_per_round.png")
         fig.savefig(written[-1], dpi=150)
     plt.close(fig)
+
+    averaged = [m for m in methods if any(r["aggregation_error"] is not None for r in rows if r["method"] == m)]
+    if averaged:  # the aggregation error per round, mean over seeds: mean factors (solid) and applied update (dashed)
+        fig, axes = plt.subplots(1, len(lrs), figsize=(4.6 * len(lrs), 3.4), sharey=True, squeeze=False)
+        for ax, lr in zip(axes[0], lrs):
+            for i, m in enumerate(averaged):
+                runs = [read_rounds(row["run"]) for row in rows if row["method"] == m and row["lr"] == lr]
+                if not runs:
+                    continue
+                for key, style in (("aggregation-error", "-"), ("aggregation-error-applied", "--")):
+                    per_run = [{r["round"]: 100 * r[key] for r in run if r["round"] > 0 and r.get(key) is not None} for run in runs]
+                    xs = sorted(set().union(*per_run))
+                    ys = [float(np.mean([d[x] for d in per_run if x in d])) for x in xs]
+                    ax.plot(xs, ys, style, color=f"C{i}", marker="o", ms=2, label=method_title(m) if style == "-" else None)
+            ax.set_yscale("log")
+            ax.set_title(f"client learning rate {lr:g}")
+            ax.set_xlabel("round")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("aggregation error (% of the update)")
+        axes[0][-1].legend(fontsize=7, title="solid: mean factors\ndashed: applied", title_fontsize=7)
+        fig.tight_layout()
+        written.append(out / "aggregation_error.png")
+        fig.savefig(written[-1], dpi=150)
+        plt.close(fig)
 
     fedtops = [r for r in rows if r["method"] == "fedtops"]
     if fedtops:

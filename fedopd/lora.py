@@ -138,9 +138,14 @@ def product_gram(factor_sets: Sequence[Mapping[str, np.ndarray]]) -> np.ndarray:
         sa, sb = np.shape(factor_sets[0][a_name]), np.shape(factor_sets[0][b_name])
         if len(sa) != 2 or len(sb) != 2 or sb[1] != sa[0]:
             raise ValueError(f"'{a_name}' {sa} and '{b_name}' {sb} are not LoRA factors A (r × d_in) and B (d_out × r)")
-        a = np.stack([np.asarray(f[a_name], dtype=np.float64) for f in factor_sets])  # (m, r, d_in)
-        b = np.stack([np.asarray(f[b_name], dtype=np.float64) for f in factor_sets])  # (m, d_out, r)
-        gram += np.einsum("kor,los,kri,lsi->kl", b, b, a, a, optimize=True)
+        r = sa[0]
+        a = np.concatenate([np.asarray(f[a_name], dtype=np.float64) for f in factor_sets])  # (m·r, d_in)
+        b = np.concatenate([np.asarray(f[b_name], dtype=np.float64) for f in factor_sets], axis=1)  # (d_out, m·r)
+        # block (k, l) of bᵀb is B_kᵀB_l, of a aᵀ is A_kA_lᵀ = (A_lA_kᵀ)ᵀ: tr(XY) = Σ X ∘ Yᵀ. np.einsum
+        # without BLAS: these (m·r)² products are small, and a multi-threaded BLAS on a busy server
+        # host is ~50× slower than one thread.
+        product = (np.einsum("ok,ol->kl", b, b) * np.einsum("ki,li->kl", a, a)).reshape(m, r, m, r)
+        gram += product.sum(axis=(1, 3))
     return gram
 
 
