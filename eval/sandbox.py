@@ -325,7 +325,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_title(f"client learning rate {lr:g}")
         ax.set_xlabel("round")
     axes[0][0].set_ylabel("held-out greedy accuracy (%)")
-    axes[0][-1].legend(fontsize=7)
+    if evaluated:
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     if evaluated:  # not with --eval-every 0
         written.append(out / "accuracy_per_round.png")
@@ -501,6 +502,25 @@ def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def change_scale_table(rows: list[dict[str, Any]]) -> str:
+    """The scale δ is set against: per learning rate, quartiles over the scored rounds of every
+    FedTOPS run (any δ) of max_i K̂_i(a), the client change that the trust constraint reads, per candidate."""
+    from server_app.run_folder import read_rounds
+
+    fedtops = [r for r in rows if r.get("candidates")]
+    if not fedtops:
+        return ""
+    candidates = fedtops[0]["candidates"]
+    out = ["**max_i K̂_i(a) over the scored rounds of every FedTOPS run: median [25th, 75th percentile] (nats)**", "",
+           "| lr | rounds | " + " | ".join(f"a={a:g}" for a in candidates) + " |", "|---|---:|" + "---|" * len(candidates)]
+    for lr in sorted({r["lr"] for r in fedtops}):
+        worst = np.asarray([np.max(rec["change_scores"], axis=0) for r in fedtops if r["lr"] == lr
+                            for rec in read_rounds(r["run"]) if rec.get("change_scores")])
+        q = np.percentile(worst, [50, 25, 75], axis=0)
+        out.append(f"| {lr:g} | {len(worst)} | " + " | ".join(f"{q[0, j]:.3g} [{q[1, j]:.3g}, {q[2, j]:.3g}]" for j in range(len(candidates))) + " |")
+    return "\n".join(out) + "\n"
+
+
 def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | None:
     """Final greedy accuracy and Avg@k against δ (mean ± sd over seeds, ∞ at the right end),
     one column per learning rate, with the FedAvg and Local levels (mean over the same seeds) as lines."""
@@ -621,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "intervals.json").write_text(json.dumps(found, indent=2) + "\n")
     parts = [table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds"),
              table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"),
-             intervals_table(found, k) if found else "", aggregation_table(rows), trust_budget_table(rows, k)]
+             intervals_table(found, k) if found else "", aggregation_table(rows), trust_budget_table(rows, k),
+             change_scale_table(rows)]
     text = "\n".join(part for part in parts if part)
     (args.out / "table.md").write_text(text)
     figures = plot(rows, args.out)
