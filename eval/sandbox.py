@@ -417,15 +417,17 @@ COMPARISONS = (("fedavg", "fedtops"), ("local", "fedavg"))
 
 
 def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, Any]]:
-    """Paired bootstrap intervals of B − A for each :data:`COMPARISONS` pair and learning rate, on
+    """Paired bootstrap intervals of B − A for each :data:`COMPARISONS` pair (and FedTOPS at each δ
+    of a sweep − FedAvg) and learning rate, on
     the seeds both have: by seed (:func:`eval.bootstrap.seed_bootstrap`) and by problem
     (:func:`eval.bootstrap.problem_bootstrap`), for greedy accuracy and Avg@k."""
     from eval.bootstrap import problem_bootstrap, seed_bootstrap
 
     grades = load_grades(rows)
+    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
     out = []
     for lr in sorted({r["lr"] for r in rows}):
-        for a, b in COMPARISONS:
+        for a, b in [*COMPARISONS, *(("fedavg", m) for m in swept)]:  # and each δ of a sweep against FedAvg
             seeds = sorted({s for m, l, s in grades if m == a and l == lr} & {s for m, l, s in grades if m == b and l == lr})
             if not seeds:
                 continue
