@@ -153,7 +153,7 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
 
 def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
     """A run folder anywhere under ``folder`` with exactly this resolved config (wherever it was
-    written) and its last round evaluated."""
+    written) and its last round done (and evaluated, unless ``eval.every`` is 0)."""
     from fedopd.config import ConfigError
     from server_app.run_folder import read_rounds, read_run_config
 

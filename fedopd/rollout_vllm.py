@@ -48,7 +48,7 @@ import numpy as np
 
 from fedopd.lora import name_mismatch
 from fedopd.lora import save_adapter
-from fedopd.rollout import RolloutEngine, Rollouts, SamplingParams
+from fedopd.rollout_types import RolloutEngine, Rollouts, SamplingParams
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 VLLM_MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py SamplingParams._verify_args: temperature in [0, 2]

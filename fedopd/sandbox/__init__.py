@@ -21,7 +21,7 @@ def sandbox_model_path(name: str) -> Path:
     JSON files, so the complete folder is looked up in the installed ``fedtops`` package on
     ``sys.path`` (the editable install's source tree, or site-packages).
     """
-    from fedopd.models import ModelLoadError
+    from fedopd.errors import ModelLoadError
 
     if name not in SANDBOX_MODELS:
         raise ModelLoadError(f"unknown sandbox model 'builtin:{name}'; allowed: " + ", ".join(f"builtin:{n}" for n in SANDBOX_MODELS))
