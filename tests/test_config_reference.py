@@ -1,0 +1,63 @@
+"""Documentation generated from the code stays true: the run-config reference in
+docs/configuration.md, and every run-config override a README command gives."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fedopd.config import _KEYS, parse_run_config
+from fedopd.config_help import HELP
+from fedopd.config_reference import PAGE, render_page, table
+from fedopd.presets import app_defaults, load_preset, overrides_from_args
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_key_has_one_line_of_help_and_a_default():
+    assert set(HELP) == set(_KEYS)
+    assert all(h.strip() and "\n" not in h for h in HELP.values())
+    assert set(app_defaults()) == set(_KEYS)
+
+
+def test_the_reference_in_docs_configuration_is_the_generated_one():
+    page = PAGE.read_text()
+    assert render_page(page, table()) == page, "docs/configuration.md is stale: run python -m fedopd.config_reference --write"
+    for key in _KEYS:  # one row per key, with its default
+        assert f"| `{key}` |" in page
+
+
+def test_the_generated_table_changes_with_the_schema():
+    text = table({**app_defaults(), "strategy.trust-budget": 0.25})
+    assert "| `strategy.trust-budget` | float | `0.25` | a number >= 0, or inf" in text
+
+
+def _readme_overrides() -> list[str]:
+    """The --run-config argument of every README command (inline strings; multi-line ones joined)."""
+    text = (REPO / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        command = block.replace("\\\n", " ")
+        for line in re.findall(r"--run-config (\"[^\"]*\"|'[^']*'|\S+)", command):
+            found.append(shlex.split(line)[0] if line[0] in "\"'" else line)
+    return found
+
+
+def test_every_run_config_a_readme_command_gives_validates():
+    overrides = _readme_overrides()
+    assert len(overrides) >= 5  # the strategies, your own prompts, the paper preset
+    for value in overrides:
+        if value == "...":
+            continue  # a placeholder in prose
+        if value.endswith(".toml"):
+            parse_run_config({**app_defaults(), **load_preset(REPO / value)})
+        else:
+            parse_run_config({**app_defaults(), **overrides_from_args([value])})
+
+
+def test_a_bad_readme_style_override_would_fail():
+    from fedopd.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_run_config({**app_defaults(), **overrides_from_args(["strategy.name='fedprox'"])})
