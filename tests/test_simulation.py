@@ -6,6 +6,7 @@ of raising, so every assertion is on what the run wrote.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -155,3 +156,38 @@ def test_each_round_records_the_bytes_of_each_phase_per_client(runs):
                 assert [e["node-id"] for e in communication[phase]] == nodes
                 assert all(e["sent"] > 10_000 and e["received"] > 0 for e in communication[phase])
             assert all(e["received"] > 10_000 for e in communication["train"])  # θ_{t,i}^+ back
+
+
+def _documented_fields() -> set[str]:
+    """The names in backticks in docs/run-folder.md's rounds.jsonl row and sections."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "run-folder.md").read_text()
+    fenced = re.findall(r"```\w*\n(.*?)```", page, flags=re.S)  # examples: their quoted JSON keys count
+    prose = re.sub(r"```\w*\n.*?```", "", page, flags=re.S)
+    return set(re.findall(r"`([^`]+)`", prose)) | {k for block in fenced for k in re.findall(r'"([\w@-]+)":', block)}
+
+
+def test_every_field_a_real_round_record_has_is_documented_in_run_folder_md(runs):
+    documented = _documented_fields()
+    seen = set()
+    for _, rounds in runs.values():
+        for r in rounds:
+            seen |= set(r)
+            for c in r.get("clients", []):
+                seen |= set(c)
+            for phase in ("train", "score", "evaluate"):
+                for entry in (r.get("communication") or {}).get(phase, []):
+                    seen |= set(entry)
+            seen |= set(r.get("communication") or {})
+    import json
+    from pathlib import Path
+
+    golden = json.loads((Path(__file__).resolve().parent / "golden" / "sandbox.json").read_text())["records"]
+    for r in golden:  # the default run: held-out evaluation in rounds 0, 4, 8
+        seen |= set(r.get("evaluation") or {})
+        for c in (r.get("evaluation") or {}).get("clients", []):
+            seen |= set(c)
+    undocumented = sorted(k for k in seen if k not in documented and not re.fullmatch(r"(avg|pass)@\d+", k))
+    assert undocumented == [], f"rounds.jsonl fields missing from docs/run-folder.md: {undocumented}"
