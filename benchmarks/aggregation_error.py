@@ -15,8 +15,15 @@ import time
 import numpy as np
 
 # Qwen3-0.6B projections: (d_in, d_out)
-SHAPES = {"q_proj": (1024, 2048), "k_proj": (1024, 1024), "v_proj": (1024, 1024), "o_proj": (2048, 1024),
-          "gate_proj": (1024, 3072), "up_proj": (1024, 3072), "down_proj": (3072, 1024)}
+SHAPES = {
+    "q_proj": (1024, 2048),
+    "k_proj": (1024, 1024),
+    "v_proj": (1024, 1024),
+    "o_proj": (2048, 1024),
+    "gate_proj": (1024, 3072),
+    "up_proj": (1024, 3072),
+    "down_proj": (3072, 1024),
+}
 
 
 def paper_adapter(rng: np.random.Generator, layers: int = 28, rank: int = 8) -> dict[str, np.ndarray]:
@@ -37,8 +44,7 @@ def main() -> None:
     args = p.parse_args()
     rng = np.random.default_rng(0)
     theta = paper_adapter(rng)
-    clients = [{k: v + np.float32(0.01) * rng.standard_normal(v.shape).astype(np.float32) for k, v in theta.items()}
-               for _ in range(args.clients)]
+    clients = [{k: v + np.float32(0.01) * rng.standard_normal(v.shape).astype(np.float32) for k, v in theta.items()} for _ in range(args.clients)]
     print(f"adapter: {sum(v.size for v in theta.values()):,} parameters, {args.clients} clients")
     for _ in range(args.repeats):
         t0 = time.perf_counter()

@@ -114,10 +114,20 @@ def paper_models(teacher_arch: str, seed: int = 0):
     for arch, name in (("0.6b", "student"), (teacher_arch, "teacher")):
         h, layers, heads, kv, ffn, tied = QWEN3_ARCH[arch]
         config = Qwen3Config(
-            vocab_size=QWEN3_VOCAB, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv, head_dim=128, intermediate_size=ffn, tie_word_embeddings=tied,
-            max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-            bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+            vocab_size=QWEN3_VOCAB,
+            hidden_size=h,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=128,
+            intermediate_size=ffn,
+            tie_word_embeddings=tied,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            pad_token_id=151643,
         )
         torch.manual_seed(seed + len(out))
         with torch.device(device):
@@ -147,8 +157,10 @@ def bench_padding(models, args) -> None:
     plan = micro_batches(8, 8, 4)
     student, teacher = models.student, models.teacher
     student.model.train()
-    print(f"\n== one mini-batch (8 responses of {min(lengths)}-{max(lengths)} tokens, micro-batch 4), "
-          f"forward+backward of the loss, attention {student.attn_implementation} ==")
+    print(
+        f"\n== one mini-batch (8 responses of {min(lengths)}-{max(lengths)} tokens, micro-batch 4), "
+        f"forward+backward of the loss, attention {student.attn_implementation} =="
+    )
     for packed in (False, True, False, True):
         batches = make_micro_batches(rollouts, plan, 151643, student.device, packed=packed)
         hidden = teacher_pass(teacher, batches, 2)
@@ -160,17 +172,19 @@ def bench_padding(models, args) -> None:
         seconds = time.perf_counter() - t0
         student.model.zero_grad(set_to_none=True)
         computed = sum(b.input_ids.numel() for b in batches.values())
-        print(f"  {'packed' if packed else 'padded':<7s} {seconds:7.3f} s  tokens computed {computed:6d}  "
-              f"loss {loss:.6f}  peak {_peak_device_bytes() / GiB:6.2f} GiB")
+        print(
+            f"  {'packed' if packed else 'padded':<7s} {seconds:7.3f} s  tokens computed {computed:6d}  "
+            f"loss {loss:.6f}  peak {_peak_device_bytes() / GiB:6.2f} GiB"
+        )
     student.model.eval()
 
 
 def bench_paper_round(args) -> None:
+    from fedopd.cache import score_candidates
     from fedopd.config import RunConfig
     from fedopd.lora import increment
     from fedopd.rollout import HFRolloutEngine
     from fedopd.round import ClientModels, score_round, train_round
-    from fedopd.cache import score_candidates
 
     cfg = RunConfig()
     t0 = time.perf_counter()
@@ -184,8 +198,19 @@ def bench_paper_round(args) -> None:
     _reset_peak()
     rows = []
     for server_round in (1, 2):  # round 1 warms up kernels and allocator; round 2 is reported
-        out = train_round(models, theta, prompts, rollout=rollout, cache=cfg.cache, train=train,
-                          server_round=server_round, seed=0, step_offset=0, total_steps=8, teacher_batch=2)
+        out = train_round(
+            models,
+            theta,
+            prompts,
+            rollout=rollout,
+            cache=cfg.cache,
+            train=train,
+            server_round=server_round,
+            seed=0,
+            step_offset=0,
+            total_steps=8,
+            teacher_batch=2,
+        )
         delta = increment(out.arrays, theta)
         _sync()
         t1 = time.perf_counter()
@@ -201,10 +226,12 @@ def bench_paper_round(args) -> None:
     train_tokens = m["tokens"]
     total = m["total_s"] + score_s
     print(f"\n== one client round, paper architectures with random weights on {_device_name()} ==")
-    print(f"  student {student.name}, teacher {teacher.name}; {args.rollouts} rollouts of {args.prompt_tokens}-token "
-          f"prompts, mean response {m['response_length']:.0f} tokens (cap {args.max_new_tokens}, cap-hit "
-          f"{100 * m['cap_hit_rate']:.0f} %), {str(student.dtype).removeprefix('torch.')}, "
-          f"{student.attn_implementation} attention, activation checkpointing")
+    print(
+        f"  student {student.name}, teacher {teacher.name}; {args.rollouts} rollouts of {args.prompt_tokens}-token "
+        f"prompts, mean response {m['response_length']:.0f} tokens (cap {args.max_new_tokens}, cap-hit "
+        f"{100 * m['cap_hit_rate']:.0f} %), {str(student.dtype).removeprefix('torch.')}, "
+        f"{student.attn_implementation} attention, activation checkpointing"
+    )
     rows = [
         ("build both models (once per process)", load_s, ""),
         ("rollouts (HF generate)", m["rollout_s"], f"{gen_tokens / m['rollout_s']:9.0f} tok/s"),
@@ -241,15 +268,25 @@ def bench_round(args) -> None:
     if models.student.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out = train_round(
-        models, theta, prompts, rollout=rollout, cache=cfg.cache, train=cfg.train,
-        server_round=1, seed=cfg.seed, step_offset=0, total_steps=cfg.total_local_steps,
+        models,
+        theta,
+        prompts,
+        rollout=rollout,
+        cache=cfg.cache,
+        train=cfg.train,
+        server_round=1,
+        seed=cfg.seed,
+        step_offset=0,
+        total_steps=cfg.total_local_steps,
     )
     t1 = time.perf_counter()
     score_round(models, theta, increment(out.arrays, theta), out.cache, cfg.strategy.candidates)
     score_s = time.perf_counter() - t1
     m = out.metrics
-    print(f"\n== one client round: {cfg.model.student} / {cfg.model.teacher} on {models.student.device}, {args.rollouts} rollouts "
-          f"(mean {m['response_length']:.1f} tokens, max {args.max_new_tokens}), torch threads {torch.get_num_threads()} ==")
+    print(
+        f"\n== one client round: {cfg.model.student} / {cfg.model.teacher} on {models.student.device}, {args.rollouts} rollouts "
+        f"(mean {m['response_length']:.1f} tokens, max {args.max_new_tokens}), torch threads {torch.get_num_threads()} =="
+    )
     rows = [
         ("load models (once per process)", load_s),
         ("rollouts (HF generate)", m["rollout_s"]),
@@ -309,6 +346,7 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
         def run():
             return jsd(h_s, w_s, h_t, w_t, labels) * positions  # liger returns the token mean
     elif case == "chunked":
+
         def run():
             return reverse_kl_sum_from_hidden(h_s, head_s, h_t, head_t, chunk)
     elif case == "app":  # the app's head: fedopd.models.fp32_head (TF32 for bf16 values on CUDA)
@@ -317,6 +355,7 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
         def run():
             return reverse_kl_sum_from_hidden(h_s, lambda h: fp32_head(h, w_s), h_t, lambda h: fp32_head(h, w_t), chunk)
     else:
+
         def run():
             with torch.no_grad():
                 t_logits = head_t(h_t)
@@ -338,8 +377,15 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = _peak_rss_bytes() - base
-    return {"case": case, "positions": positions, "vocab": vocab, "peak_bytes": peak,
-            "seconds": time.perf_counter() - t0, "loss": float(loss) / positions, "device": device.type}
+    return {
+        "case": case,
+        "positions": positions,
+        "vocab": vocab,
+        "peak_bytes": peak,
+        "seconds": time.perf_counter() - t0,
+        "loss": float(loss) / positions,
+        "device": device.type,
+    }
 
 
 def _free_bytes() -> int:
@@ -360,11 +406,22 @@ def bench_loss(args) -> None:
         for case in cases:
             need = 9 * positions * args.vocab * 4 if case == "unchunked" else 0  # ~9 fp32 P×V buffers
             if need > 0.8 * _free_bytes():
-                print(f"  {positions:9d}  {case:<10s}  skipped: needs about {need / GiB:.1f} GiB, "
-                      f"{_free_bytes() / GiB:.1f} GiB free")
+                print(f"  {positions:9d}  {case:<10s}  skipped: needs about {need / GiB:.1f} GiB, {_free_bytes() / GiB:.1f} GiB free")
                 continue
-            cmd = [sys.executable, __file__, "--loss-case", case, "--positions", str(positions),
-                   "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(args.chunk)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--loss-case",
+                case,
+                "--positions",
+                str(positions),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--chunk",
+                str(args.chunk),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 print(f"  {positions:9d}  {case:<10s}  failed: {done.stderr.strip().splitlines()[-1][:150]}")

@@ -34,13 +34,13 @@ PRESETS = {
 }
 
 
-
 def _free_port() -> int:
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
 
 def _overrides(preset: str, rounds: int, out: Path) -> str:
     from fedopd.presets import app_defaults, load_preset
@@ -61,10 +61,14 @@ def _round_times(output: str) -> tuple[list[float], list[float]]:
 
 
 def simulation(run_config: str, nodes: int, home: Path) -> tuple[list[float], list[float]]:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-               # A local SuperLink of our own: on its default port flwr run would join one already running.
-               "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port())}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        # A local SuperLink of our own: on its default port flwr run would join one already running.
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+    }
     cmd = ["flwr", "run", ".", "--stream", "--federation-config", f"num-supernodes={nodes}", "--run-config", run_config]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     return _round_times(done.stdout + done.stderr)
@@ -111,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     sim, dep = statistics.mean(times["simulation"]), statistics.mean(times["deployment"])
     print(f"\npreset {args.preset}, {args.nodes} clients, rounds 2..{args.rounds}, {args.repeats} repeats each")
     for mode, mean in (("simulation", sim), ("deployment", dep)):
-        print(f"{mode:10s}: round {mean:6.2f} s (sd {statistics.stdev(times[mode]) if len(times[mode]) > 1 else 0:.2f}), "
-              f"client work {statistics.mean(work[mode]):.2f} s per client")
+        print(
+            f"{mode:10s}: round {mean:6.2f} s (sd {statistics.stdev(times[mode]) if len(times[mode]) > 1 else 0:.2f}), "
+            f"client work {statistics.mean(work[mode]):.2f} s per client"
+        )
     print(f"ratio deployment / simulation: {dep / sim:.2f}")
     return 0
 

@@ -37,8 +37,7 @@ PHASES = ("rollout_s", "grade_s", "teacher_s", "cache_s", "opd_s")
 def run_once(strategy: str, rounds: int, overrides: dict, out: Path, tag: str) -> list[dict]:
     from server_app.inprocess import run_in_process
 
-    config = {**overrides, "strategy.name": strategy, "num-server-rounds": rounds, "eval.every": 0,
-              "output-dir": str(out / tag)}
+    config = {**overrides, "strategy.name": strategy, "num-server-rounds": rounds, "eval.every": 0, "output-dir": str(out / tag)}
     folder = run_in_process(config)
     return [json.loads(line) for line in (Path(folder) / "rounds.jsonl").read_text().splitlines() if line.strip()]
 
@@ -91,18 +90,25 @@ def main(argv: list[str] | None = None) -> int:
                 got = per_round(run_once(strategy, args.rounds, overrides, Path(tmp), f"{strategy}-{rep}"))
                 rows[strategy].extend(got)
                 round_means[strategy].append(statistics.mean(r["round_s"] for r in got))
-                print(f"  repeat {rep + 1}/{args.repeats} {strategy:<7s} mean round {round_means[strategy][-1]:.3f} s",
-                      flush=True)
+                print(f"  repeat {rep + 1}/{args.repeats} {strategy:<7s} mean round {round_means[strategy][-1]:.3f} s", flush=True)
 
     def mean(strategy: str, key: str) -> float:
         return statistics.mean(r[key] for r in rows[strategy])
 
-    print(f"\n== FedAvg vs FedTOPS, sandbox preset{' + ' + args.run_config if args.run_config else ''}, "
-          f"{args.repeats} repeats x rounds 2-{args.rounds}, seconds per round (clients summed) ==")
+    print(
+        f"\n== FedAvg vs FedTOPS, sandbox preset{' + ' + args.run_config if args.run_config else ''}, "
+        f"{args.repeats} repeats x rounds 2-{args.rounds}, seconds per round (clients summed) =="
+    )
     print(f"  {'phase':<28s} {'FedAvg':>9s} {'FedTOPS':>9s}")
-    names = {"rollout_s": "rollouts", "grade_s": "grading", "teacher_s": "teacher pass",
-             "cache_s": "scoring cache (FedTOPS)", "opd_s": "local OPD", "score_s": "score query (FedTOPS)",
-             "round_s": "round"}
+    names = {
+        "rollout_s": "rollouts",
+        "grade_s": "grading",
+        "teacher_s": "teacher pass",
+        "cache_s": "scoring cache (FedTOPS)",
+        "opd_s": "local OPD",
+        "score_s": "score query (FedTOPS)",
+        "round_s": "round",
+    }
     for key, name in names.items():
         print(f"  {name:<28s} {mean('fedavg', key):9.3f} {mean('fedtops', key):9.3f}")
     ratios = [t / a for t, a in zip(round_means["fedtops"], round_means["fedavg"])]

@@ -47,11 +47,17 @@ def _free_port() -> int:
 def run_case(clients: int, fraction: float, rounds: int, prompts_per_client: int, work: Path) -> tuple[float, list[dict], str]:
     """(wall seconds, the round records, the log tail) of one flwr run."""
     home = work / f"flwr-home-{clients}"
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port())}
-    overrides = (f"num-server-rounds={rounds} eval.every=0 data.prompts-per-client={prompts_per_client} "
-                 f"strategy.fraction-train={fraction} output-dir=\"{work / f'runs-{clients}'}\"")
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+    }
+    overrides = (
+        f"num-server-rounds={rounds} eval.every=0 data.prompts-per-client={prompts_per_client} "
+        f'strategy.fraction-train={fraction} output-dir="{work / f"runs-{clients}"}"'
+    )
     cmd = ["flwr", "run", ".", "--stream", "--federation-config", f"num-supernodes={clients}", "--run-config", overrides]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
@@ -75,11 +81,11 @@ def report(clients: int, fraction: float, wall: float, rounds: list[dict]) -> li
         for c in r["clients"]:
             workers[int(c["worker-pid"])] = c
     for pid, c in sorted(workers.items()):
-        lines.append(f"  model-holding process {pid}: {c['worker-rss-mb']:.0f} MiB after its last round, "
-                     f"models loaded {int(c['worker-model-loads'])} time(s)")
+        lines.append(
+            f"  model-holding process {pid}: {c['worker-rss-mb']:.0f} MiB after its last round, models loaded {int(c['worker-model-loads'])} time(s)"
+        )
     steady = [r["seconds"] for r in rounds[1:]] or [rounds[0]["seconds"]]
-    lines.append(f"  mean round after the first: {sum(steady) / len(steady):.1f} s; "
-                 f"{len(workers)} model-holding process(es) for {clients} clients")
+    lines.append(f"  mean round after the first: {sum(steady) / len(steady):.1f} s; {len(workers)} model-holding process(es) for {clients} clients")
     return lines
 
 

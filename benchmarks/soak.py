@@ -30,13 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-
 def _free_port() -> int:
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
 
 def slope(values: list[float]) -> float:
     if len(values) < 2:
@@ -60,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedtops-soak-") as work:
         work = Path(work)
         home = work / "flwr-home"
-        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(home),
-               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-               # A local SuperLink of our own: on its default port flwr run would join one already running.
-               "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port())}
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "FLWR_HOME": str(home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            # A local SuperLink of our own: on its default port flwr run would join one already running.
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+        }
         overrides = f'num-server-rounds={args.rounds} eval.every=0 output-dir="{work / "runs"}"'
         cmd = ["flwr", "run", ".", "--stream", "--federation-config", f"num-supernodes={args.nodes}"]
         cmd += ["--run-config", overrides]
@@ -89,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             per_worker = " ".join(f"{pid}:{c['worker-rss-mb']:.0f}" for pid, c in ((int(c["worker-pid"]), c) for c in r["clients"]))
             print(f"round {r['round']:3d}  server {r['server-rss-mb']:7.1f} | {per_worker}")
         half = len(rounds) // 2
-        print(f"\nserver: {server[0]:.1f} -> {server[-1]:.1f} MiB, slope over rounds {rounds[half]['round']}..{rounds[-1]['round']}: "
-              f"{slope(server[half:]):+.2f} MiB/round")
+        print(
+            f"\nserver: {server[0]:.1f} -> {server[-1]:.1f} MiB, slope over rounds {rounds[half]['round']}..{rounds[-1]['round']}: "
+            f"{slope(server[half:]):+.2f} MiB/round"
+        )
         for pid, values in workers.items():
-            print(f"worker {pid}: {values[0]:.1f} -> {values[-1]:.1f} MiB, slope over its second half: {slope(values[len(values) // 2:]):+.2f} MiB/round")
+            print(
+                f"worker {pid}: {values[0]:.1f} -> {values[-1]:.1f} MiB, slope over its second half: {slope(values[len(values) // 2 :]):+.2f} MiB/round"
+            )
         print(f"\nprocesses left naming the run's Flower home: {len(processes_naming(str(home)))}")
         alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
         print(f"model-holding processes still alive: {alive or 'none'}")

@@ -37,8 +37,7 @@ def _partition(context: Context) -> tuple[int, int]:
         pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     except (KeyError, ValueError) as err:
         raise ValueError(
-            "node config needs integer 'partition-id' and 'num-partitions' "
-            "(e.g. flower-supernode --node-config \"partition-id=0 num-partitions=3\")"
+            "node config needs integer 'partition-id' and 'num-partitions' (e.g. flower-supernode --node-config \"partition-id=0 num-partitions=3\")"
         ) from err
     if not 0 <= pid < num:
         raise ValueError(f"node config 'partition-id' = {pid} is not in [0, 'num-partitions' = {num})")

@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping
 from logging import INFO
-from typing import Any, Mapping
+from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -174,8 +175,13 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     teacher_scores, change_scores = score_round(models, theta, delta, cache, candidates)
 
     metrics = MetricRecord(
-        {"teacher-scores": teacher_scores, "change-scores": change_scores, "num-examples": len(prompts),
-         "partition-id": pid, "score_s": time.perf_counter() - started}
+        {
+            "teacher-scores": teacher_scores,
+            "change-scores": change_scores,
+            "num-examples": len(prompts),
+            "partition-id": pid,
+            "score_s": time.perf_counter() - started,
+        }
     )
     return RecordDict({"scores": metrics})
 

@@ -42,7 +42,8 @@ import json
 import os
 import socket
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 NAMESPACE = "fedopd"
 PREFIX = "fedopd-worker"
@@ -133,9 +134,11 @@ def connect(address: str = "auto", insecure: bool = False) -> None:
 # The GCS call used to learn whether a Ray instance checks tokens: it takes an empty request and
 # is the first call every Ray client makes (GcsClient::Connect).
 _PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
-_FIX = ("start Ray with token authentication, RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<file> ray start --head ..., "
-        "the file holding a random token with mode 0600 (`python scripts/deployment_tools.py ray-token <file>` makes one; "
-        "scripts/local-deployment.sh does all this), and give the SuperNode the same RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH")
+_FIX = (
+    "start Ray with token authentication, RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<file> ray start --head ..., "
+    "the file holding a random token with mode 0600 (`python scripts/deployment_tools.py ray-token <file>` makes one; "
+    "scripts/local-deployment.sh does all this), and give the SuperNode the same RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH"
+)
 _CHECKED: dict[tuple[str, bool], str] = {}  # (GCS address, insecure) -> its auth mode, once accepted in this process
 
 
@@ -152,8 +155,9 @@ def gcs_accepts(gcs_address: str, token: str | None = None, timeout: float = 10.
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 return False
-            raise RuntimeError(f"could not tell whether the Ray instance at {gcs_address} checks tokens: "
-                               f"its GCS answered {err.code().name}: {err.details()}") from None
+            raise RuntimeError(
+                f"could not tell whether the Ray instance at {gcs_address} checks tokens: its GCS answered {err.code().name}: {err.details()}"
+            ) from None
     return True
 
 
@@ -188,8 +192,12 @@ def check_authentication(gcs_address: str, insecure: bool = False) -> str:
 
         from flwr.common.logger import log
 
-        log(WARNING, "node config ray-insecure = true: joining the Ray instance at %s, which runs WITHOUT authentication "
-                     "(anyone who can reach its ports can run code on this host)", gcs_address)
+        log(
+            WARNING,
+            "node config ray-insecure = true: joining the Ray instance at %s, which runs WITHOUT authentication "
+            "(anyone who can reach its ports can run code on this host)",
+            gcs_address,
+        )
     else:
         token, source = local_token()
         problem = None
@@ -204,8 +212,10 @@ def check_authentication(gcs_address: str, insecure: bool = False) -> str:
                 "RAY_AUTH_TOKEN_PATH=<the token file Ray was started with>"
             )
         if not gcs_accepts(gcs_address, token):
-            raise RuntimeError(f"the Ray instance at {gcs_address} refuses this process's token (from {source}): "
-                               "set RAY_AUTH_TOKEN_PATH to the token file Ray was started with")
+            raise RuntimeError(
+                f"the Ray instance at {gcs_address} refuses this process's token (from {source}): "
+                "set RAY_AUTH_TOKEN_PATH to the token file Ray was started with"
+            )
     _CHECKED[gcs_address, insecure] = mode
     return mode
 

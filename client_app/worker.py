@@ -94,9 +94,7 @@ def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int,
     return _PROMPTS[key]
 
 
-def setup(
-    cfg: RunConfig, partition_id: int, num_partitions: int, *, pooled: bool = False
-) -> tuple[ClientModels, tuple[Prompt, ...]]:
+def setup(cfg: RunConfig, partition_id: int, num_partitions: int, *, pooled: bool = False) -> tuple[ClientModels, tuple[Prompt, ...]]:
     """The worker's models and this client's tokenized training prompts, loaded once per process.
 
     ``pooled`` (the Centralized learner, ``learner = 'centralized'`` in its train message): the

@@ -49,7 +49,9 @@ def normalize_row(row: dict, source: str) -> dict:
     problem = next((row[c] for c in _PROBLEM_COLUMNS if c in row and row[c] is not None), None)
     answer = next((row[c] for c in _ANSWER_COLUMNS if c in row and row[c] is not None), None)
     if problem is None or answer is None:
-        raise ValueError(f"{source}: a row needs a problem ({'/'.join(_PROBLEM_COLUMNS)}) and an answer ({'/'.join(_ANSWER_COLUMNS)}); got keys {sorted(row)}")
+        raise ValueError(
+            f"{source}: a row needs a problem ({'/'.join(_PROBLEM_COLUMNS)}) and an answer ({'/'.join(_ANSWER_COLUMNS)}); got keys {sorted(row)}"
+        )
     if isinstance(answer, (list, tuple)):
         answer = ", ".join(str(a) for a in answer)
     answer = str(answer)
@@ -113,7 +115,7 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
         return read_jsonl(Path(data_dir) / f"{name}.jsonl")
     spec = BENCHMARKS[name]
     offline_hint = (
-        f"offline, put {name}.jsonl (one {{\"problem\": ..., \"answer\": ...}} per line) in a folder and pass "
+        f'offline, put {name}.jsonl (one {{"problem": ..., "answer": ...}} per line) in a folder and pass '
         f"--data-dir FOLDER, or pass --benchmark-file {name}=PATH"
     )
     reachable = hub_reachable()
@@ -126,7 +128,11 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
     try:
         data = load_dataset(spec.hub_id, spec.config, split=spec.split)
     except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not available here"
-        reason = f"{type(err).__name__}: {err}" if reachable else "the Hugging Face Hub is not reachable (or offline mode is set) and no cached copy exists"
+        reason = (
+            f"{type(err).__name__}: {err}"
+            if reachable
+            else "the Hugging Face Hub is not reachable (or offline mode is set) and no cached copy exists"
+        )
         raise BenchmarkUnavailable(f"benchmark {name!r} ({spec.hub_id}) could not be loaded: {reason}; {offline_hint}") from None
     rows = [normalize_row(dict(r), spec.hub_id) for r in data]
     if len(rows) not in spec.expected:

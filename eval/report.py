@@ -69,8 +69,7 @@ def render(columns, labels, rows, metric: str, fmt: str, title: str) -> str:
         return "\n".join(out) + "\n"
     if fmt == "tex":
         esc = lambda s: s.replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")  # noqa: E731
-        out = [r"\begin{tabular}{l" + "r" * len(columns) + "}", r"\toprule",
-               "Method & " + " & ".join(esc(c) for c in columns) + r" \\", r"\midrule"]
+        out = [r"\begin{tabular}{l" + "r" * len(columns) + "}", r"\toprule", "Method & " + " & ".join(esc(c) for c in columns) + r" \\", r"\midrule"]
         for label, vals in zip(labels, rows):
             out.append(esc(label) + " & " + " & ".join(cell(v, b, lambda t: rf"\textbf{{{t}}}") for v, b in zip(vals, best)) + r" \\")
         out += [r"\bottomrule", r"\end{tabular}", f"% {title}"]

@@ -80,8 +80,14 @@ def encode_benchmarks(tokenizer, benchmarks: dict[str, list[dict]]) -> dict[str,
 
 
 def evaluate(
-    student, engine, benchmarks: dict[str, list[dict]], prompt_ids: dict[str, list[list[int]]],
-    params: SamplingParams, samples: int, batch_size: int, progress: bool = True,
+    student,
+    engine,
+    benchmarks: dict[str, list[dict]],
+    prompt_ids: dict[str, list[list[int]]],
+    params: SamplingParams,
+    samples: int,
+    batch_size: int,
+    progress: bool = True,
 ) -> list[dict]:
     """Generate ``samples`` responses per problem, grade them, return one record per response."""
     from tqdm.auto import tqdm
@@ -99,11 +105,19 @@ def evaluate(
             out = engine.generate([prompts[j] for j, _ in chunk], SamplingParams(params.max_new_tokens, params.temperature, params.top_p, seed))
             texts = tok.batch_decode(out.response_ids, skip_special_tokens=True)
             for (j, m), text, ids, capped in zip(chunk, texts, out.response_ids, out.capped):
-                records.append({
-                    "benchmark": name, "index": j, "sample": m, "problem": rows[j]["problem"], "gold": rows[j]["answer"],
-                    "response": text, "correct": int(is_correct(text, rows[j]["answer"])), "capped": bool(capped),
-                    "response_tokens": len(ids),
-                })
+                records.append(
+                    {
+                        "benchmark": name,
+                        "index": j,
+                        "sample": m,
+                        "problem": rows[j]["problem"],
+                        "gold": rows[j]["answer"],
+                        "response": text,
+                        "correct": int(is_correct(text, rows[j]["answer"])),
+                        "capped": bool(capped),
+                        "response_tokens": len(ids),
+                    }
+                )
             bar.update(len(chunk))
     bar.close()
     return records
@@ -150,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--teacher", default=None,
-                   help="the run's teacher (hub id or folder): its EOS ids join the stop set, as in training")
-    p.add_argument("--stop-tokens", default="auto",
-                   help="'auto' (the model's and --teacher's EOS ids) or comma-separated tokens, as rollout.stop-tokens")
+    p.add_argument("--teacher", default=None, help="the run's teacher (hub id or folder): its EOS ids join the stop set, as in training")
+    p.add_argument(
+        "--stop-tokens", default="auto", help="'auto' (the model's and --teacher's EOS ids) or comma-separated tokens, as rollout.stop-tokens"
+    )
     p.add_argument("--max-new-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", choices=("auto", "hf", "vllm"))
@@ -206,8 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(f"note: {note}", file=sys.stderr)
     engine = make_rollout_engine(
-        args.backend, student, stop_token_ids=stop.ids, max_model_len=longest + args.max_new_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, batch_size=args.batch_size,
+        args.backend,
+        student,
+        stop_token_ids=stop.ids,
+        max_model_len=longest + args.max_new_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        batch_size=args.batch_size,
     )
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
 
@@ -221,10 +240,19 @@ def main(argv: list[str] | None = None) -> int:
         records = evaluate(student, engine, benchmarks, prompt_ids, params, args.samples, args.batch_size, not args.no_progress)
         summary = summarize(records, args.samples)
         summary.update(
-            label=label, model=args.model, adapter=str(adapter) if adapter else None, seconds=time.perf_counter() - t0,
-            sampling={"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p,
-                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "enable_thinking": False,
-                      "stop_tokens": list(stop.tokens)},
+            label=label,
+            model=args.model,
+            adapter=str(adapter) if adapter else None,
+            seconds=time.perf_counter() - t0,
+            sampling={
+                "samples": args.samples,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "max_new_tokens": args.max_new_tokens,
+                "seed": args.seed,
+                "enable_thinking": False,
+                "stop_tokens": list(stop.tokens),
+            },
         )
         folder = args.out / label
         folder.mkdir(parents=True, exist_ok=True)
@@ -233,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(r) + "\n")
         (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         macro = summary["macro"]
-        print(f"{label}: macro Avg@{args.samples} {macro['avg_at_k']:.2f}  Pass@{args.samples} {macro['pass_at_k']:.2f}  "
-              f"cap-hit {macro['cap_hit']:.2f}  -> {folder / 'summary.json'}")
+        print(
+            f"{label}: macro Avg@{args.samples} {macro['avg_at_k']:.2f}  Pass@{args.samples} {macro['pass_at_k']:.2f}  "
+            f"cap-hit {macro['cap_hit']:.2f}  -> {folder / 'summary.json'}"
+        )
     return 0
 
 

@@ -78,7 +78,7 @@ def method_trust_budget(method: str) -> float | None:
     """δ of a :func:`trust_budget_method` name; None for the other methods."""
     if not method.startswith(TRUST_BUDGET_PREFIX):
         return None
-    return float(method[len(TRUST_BUDGET_PREFIX):])
+    return float(method[len(TRUST_BUDGET_PREFIX) :])
 
 
 def method_settings(method: str) -> dict[str, Any]:
@@ -110,7 +110,17 @@ def parse_trust_budgets(text: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-GRID_KEYS = ("strategy.name", "strategy.trust-budget", "strategy.multiplier", "train.lr", "seed", "num-server-rounds", "eval.every", "output-dir", "preset")
+GRID_KEYS = (
+    "strategy.name",
+    "strategy.trust-budget",
+    "strategy.multiplier",
+    "train.lr",
+    "seed",
+    "num-server-rounds",
+    "eval.every",
+    "output-dir",
+    "preset",
+)
 
 
 def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
@@ -121,13 +131,16 @@ def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
     setting = overrides_from_args(run_config_args) if run_config_args else {}
     fixed = sorted(set(setting) & set(GRID_KEYS))
     if fixed:
-        raise ConfigError(f"--run-config sets {', '.join(repr(k) for k in fixed)}, which the grid sets itself; "
-                          "use --methods, --lrs, --seeds, --rounds, --eval-every and --out")
+        raise ConfigError(
+            f"--run-config sets {', '.join(repr(k) for k in fixed)}, which the grid sets itself; "
+            "use --methods, --lrs, --seeds, --rounds, --eval-every and --out"
+        )
     return setting
 
 
-def run_config(method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path,
-               setting: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_config(
+    method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path, setting: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The sandbox preset with ``setting`` (``--run-config``) and this grid cell's method, learning
     rate, seed and length."""
     return {
@@ -204,11 +217,16 @@ def final_grades(run: Path) -> Path:
     greedy_all, sampled_all = np.concatenate(greedy), np.concatenate(sampled)
     recorded = last.get("evaluation")
     k = cfg.eval.samples
-    if recorded and cfg.eval.fraction == 1.0 and (abs(100 * greedy_all.mean() - recorded["accuracy"]) > 1e-6
-                                     or abs(100 * sampled_all.mean() - recorded[f"avg@{k}"]) > 1e-6):
-        raise RuntimeError(f"{run}: re-graded final adapter gives greedy {100 * greedy_all.mean():.3f} % / "
-                           f"Avg@{k} {100 * sampled_all.mean():.3f} %, the run recorded {recorded['accuracy']:.3f} % / "
-                           f"{recorded[f'avg@{k}']:.3f} %")
+    if (
+        recorded
+        and cfg.eval.fraction == 1.0
+        and (abs(100 * greedy_all.mean() - recorded["accuracy"]) > 1e-6 or abs(100 * sampled_all.mean() - recorded[f"avg@{k}"]) > 1e-6)
+    ):
+        raise RuntimeError(
+            f"{run}: re-graded final adapter gives greedy {100 * greedy_all.mean():.3f} % / "
+            f"Avg@{k} {100 * sampled_all.mean():.3f} %, the run recorded {recorded['accuracy']:.3f} % / "
+            f"{recorded[f'avg@{k}']:.3f} %"
+        )
     path = run / GRADES
     np.savez_compressed(path, greedy=greedy_all, sampled=sampled_all)
     return path
@@ -219,8 +237,11 @@ def graded_scores(path: Path) -> dict[str, float]:
     with np.load(path) as z:
         greedy, sampled = z["greedy"], z["sampled"]
     k = sampled.shape[1]
-    return {"accuracy": 100.0 * float(greedy.mean()), f"avg@{k}": 100.0 * float(sampled.mean()),
-            f"pass@{k}": 100.0 * float(sampled.max(axis=1).mean())}
+    return {
+        "accuracy": 100.0 * float(greedy.mean()),
+        f"avg@{k}": 100.0 * float(sampled.mean()),
+        f"pass@{k}": 100.0 * float(sampled.max(axis=1).mean()),
+    }
 
 
 def _mean_of(values: list) -> float | None:
@@ -261,9 +282,13 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
                 feasible = set(feasible_indices(r["change_scores"], delta, len(candidates)))
                 for j in range(len(candidates)):
                     infeasible[j] += j not in feasible
-        row.update(trust_budget=delta, candidates=candidates, infeasible_rounds=infeasible,
-                   scored_rounds=sum(1 for r in trained if r.get("change_scores")),
-                   held_rounds=sum(1 for a in multipliers if a == 0.0))
+        row.update(
+            trust_budget=delta,
+            candidates=candidates,
+            infeasible_rounds=infeasible,
+            scored_rounds=sum(1 for r in trained if r.get("change_scores")),
+            held_rounds=sum(1 for a in multipliers if a == 0.0),
+        )
     return row
 
 
@@ -277,8 +302,12 @@ def table(rows: list[dict[str, Any]], metric: str, title: str) -> str:
     """Methods × learning rates, mean ± sd over seeds, the best mean per column in bold."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lrs = sorted({r["lr"] for r in rows})
-    cells = {(m, lr): mean_sd([r[metric] for r in rows if r["method"] == m and r["lr"] == lr]) for m in methods for lr in lrs
-             if any(r["method"] == m and r["lr"] == lr for r in rows)}
+    cells = {
+        (m, lr): mean_sd([r[metric] for r in rows if r["method"] == m and r["lr"] == lr])
+        for m in methods
+        for lr in lrs
+        if any(r["method"] == m and r["lr"] == lr for r in rows)
+    }
     best = {lr: max(round(cells[m, lr][0], 1) for m in methods if (m, lr) in cells) for lr in lrs}
     out = [f"**{title}**", "", "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
     for m in methods:
@@ -315,8 +344,11 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(lrs), figsize=(4.2 * len(lrs), 3.4), sharey=True, squeeze=False)
     for ax, lr in zip(axes[0], lrs):
         for m in methods:
-            curves = [[(r["round"], r["evaluation"]["accuracy"]) for r in read_rounds(row["run"]) if r.get("evaluation")]
-                      for row in rows if row["method"] == m and row["lr"] == lr]
+            curves = [
+                [(r["round"], r["evaluation"]["accuracy"]) for r in read_rounds(row["run"]) if r.get("evaluation")]
+                for row in rows
+                if row["method"] == m and row["lr"] == lr
+            ]
             if not curves or not curves[0]:  # not evaluated during the runs (--eval-every 0)
                 continue
             xs = [x for x, _ in curves[0]]
@@ -437,20 +469,38 @@ def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, A
                 diff, s_lo, s_hi = seed_bootstrap(ga, gb, draws)
                 _, p_lo, p_hi = problem_bootstrap(ga, gb, draws)
                 per_seed = (100 * (gb.mean(axis=(1, 2)) - ga.mean(axis=(1, 2)))).tolist()
-                out.append({"lr": lr, "a": a, "b": b, "metric": metric, "seeds": seeds, "problems": int(ga.shape[1]),
-                            "difference": diff, "per_seed": per_seed, "by_seed": [s_lo, s_hi], "by_problem": [p_lo, p_hi]})
+                out.append(
+                    {
+                        "lr": lr,
+                        "a": a,
+                        "b": b,
+                        "metric": metric,
+                        "seeds": seeds,
+                        "problems": int(ga.shape[1]),
+                        "difference": diff,
+                        "per_seed": per_seed,
+                        "by_seed": [s_lo, s_hi],
+                        "by_problem": [p_lo, p_hi],
+                    }
+                )
     return out
 
 
 def intervals_table(found: list[dict[str, Any]], k: int) -> str:
-    out = ["**Paired bootstrap, 95 % intervals (pp): by seed (seeds resampled) and by problem (problems resampled, "
-           "the same for every seed)**", "",
-           "| Difference | lr | metric | mean | by seed | by problem | per seed |", "|---|---|---|---:|---|---|---|"]
+    out = [
+        "**Paired bootstrap, 95 % intervals (pp): by seed (seeds resampled) and by problem (problems resampled, the same for every seed)**",
+        "",
+        "| Difference | lr | metric | mean | by seed | by problem | per seed |",
+        "|---|---|---|---:|---|---|---|",
+    ]
     for d in found:
         metric = "greedy" if d["metric"] == "accuracy" else f"Avg@{k}"
-        out.append(f"| {method_title(d['b'])} − {method_title(d['a'])} | {d['lr']:g} | {metric} | {d['difference']:+.1f} | "
-                   f"[{d['by_seed'][0]:+.1f}, {d['by_seed'][1]:+.1f}] | [{d['by_problem'][0]:+.1f}, {d['by_problem'][1]:+.1f}] | "
-                   + " ".join(f"{x:+.1f}" for x in d["per_seed"]) + " |")
+        out.append(
+            f"| {method_title(d['b'])} − {method_title(d['a'])} | {d['lr']:g} | {metric} | {d['difference']:+.1f} | "
+            f"[{d['by_seed'][0]:+.1f}, {d['by_seed'][1]:+.1f}] | [{d['by_problem'][0]:+.1f}, {d['by_problem'][1]:+.1f}] | "
+            + " ".join(f"{x:+.1f}" for x in d["per_seed"])
+            + " |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -461,8 +511,12 @@ def aggregation_table(rows: list[dict[str, Any]]) -> str:
     if not methods:
         return ""
     lrs = sorted({r["lr"] for r in rows})
-    out = ["**Aggregation error of averaging the LoRA factors (%, mean over rounds and seeds): "
-           "mean factors / applied update**", "", "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
+    out = [
+        "**Aggregation error of averaging the LoRA factors (%, mean over rounds and seeds): mean factors / applied update**",
+        "",
+        "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+        "|---|" + "---:|" * len(lrs),
+    ]
     for m in methods:
         cells = []
         for lr in lrs:
@@ -484,10 +538,13 @@ def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
     if not swept:
         return ""
     candidates = next(r["candidates"] for r in rows if r["method"] in swept)
-    out = ["**Trust budget δ: final held-out scores (mean ± sd over seeds), mean selected a, rounds held, and % of "
-           "scored rounds in which each candidate was infeasible**", "",
-           "| lr | δ | greedy (%) | Avg@" + str(k) + " (%) | mean a | held | " + " | ".join(f"a={a:g}" for a in candidates) + " |",
-           "|---|---|---:|---:|---:|---:|" + "---:|" * len(candidates)]
+    out = [
+        "**Trust budget δ: final held-out scores (mean ± sd over seeds), mean selected a, rounds held, and % of "
+        "scored rounds in which each candidate was infeasible**",
+        "",
+        "| lr | δ | greedy (%) | Avg@" + str(k) + " (%) | mean a | held | " + " | ".join(f"a={a:g}" for a in candidates) + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(candidates),
+    ]
     for lr in sorted({r["lr"] for r in rows}):
         for m in swept:
             sel = [r for r in rows if r["method"] == m and r["lr"] == lr]
@@ -498,9 +555,12 @@ def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
             scored = sum(r["scored_rounds"] for r in sel)
             infeasible = [100 * sum(r["infeasible_rounds"][j] for r in sel) / scored for j in range(len(candidates))]
             delta = method_trust_budget(m)
-            out.append(f"| {lr:g} | {'∞' if delta == float('inf') else f'{delta:g}'} | {g:.1f} ± {gs:.1f} | {v:.1f} ± {vs:.1f} | "
-                       f"{np.mean([r['mean_multiplier'] for r in sel]):.2f} | {sum(r['held_rounds'] for r in sel)} | "
-                       + " | ".join(f"{x:.0f}" for x in infeasible) + " |")
+            out.append(
+                f"| {lr:g} | {'∞' if delta == float('inf') else f'{delta:g}'} | {g:.1f} ± {gs:.1f} | {v:.1f} ± {vs:.1f} | "
+                f"{np.mean([r['mean_multiplier'] for r in sel]):.2f} | {sum(r['held_rounds'] for r in sel)} | "
+                + " | ".join(f"{x:.0f}" for x in infeasible)
+                + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -513,11 +573,16 @@ def change_scale_table(rows: list[dict[str, Any]]) -> str:
     if not fedtops:
         return ""
     candidates = fedtops[0]["candidates"]
-    out = ["**max_i K̂_i(a) over the scored rounds of every FedTOPS run: median [25th, 75th percentile] (nats)**", "",
-           "| lr | rounds | " + " | ".join(f"a={a:g}" for a in candidates) + " |", "|---|---:|" + "---|" * len(candidates)]
+    out = [
+        "**max_i K̂_i(a) over the scored rounds of every FedTOPS run: median [25th, 75th percentile] (nats)**",
+        "",
+        "| lr | rounds | " + " | ".join(f"a={a:g}" for a in candidates) + " |",
+        "|---|---:|" + "---|" * len(candidates),
+    ]
     for lr in sorted({r["lr"] for r in fedtops}):
-        worst = np.asarray([np.max(rec["change_scores"], axis=0) for r in fedtops if r["lr"] == lr
-                            for rec in read_rounds(r["run"]) if rec.get("change_scores")])
+        worst = np.asarray(
+            [np.max(rec["change_scores"], axis=0) for r in fedtops if r["lr"] == lr for rec in read_rounds(r["run"]) if rec.get("change_scores")]
+        )
         q = np.percentile(worst, [50, 25, 75], axis=0)
         out.append(f"| {lr:g} | {len(worst)} | " + " | ".join(f"{q[0, j]:.3g} [{q[1, j]:.3g}, {q[2, j]:.3g}]" for j in range(len(candidates))) + " |")
     return "\n".join(out) + "\n"
@@ -537,13 +602,22 @@ def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | 
     deltas = [method_trust_budget(m) for m in swept]
     finite = [d for d in deltas if np.isfinite(d) and d > 0]
     # positions on a log axis; ∞ (and 0) drawn one decade beyond (below) the finite values
-    pos = {d: d if np.isfinite(d) and d > 0 else (max(finite) * 10 if d > 0 else min(finite) / 10) for d in deltas} if finite else {d: i + 1 for i, d in enumerate(deltas)}
+    pos = (
+        {d: d if np.isfinite(d) and d > 0 else (max(finite) * 10 if d > 0 else min(finite) / 10) for d in deltas}
+        if finite
+        else {d: i + 1 for i, d in enumerate(deltas)}
+    )
     lrs = sorted({r["lr"] for r in rows})
     fig, axes = plt.subplots(2, len(lrs), figsize=(4.6 * len(lrs), 6.2), squeeze=False, sharex=True)
     for col, lr in enumerate(lrs):
         for row_i, (metric, label) in enumerate((("accuracy", "final greedy accuracy (%)"), (f"avg@{k}", f"final Avg@{k} (%)"))):
             ax = axes[row_i][col]
-            stats = [mean_sd([r[metric] for r in rows if r["method"] == m and r["lr"] == lr]) if any(r["method"] == m and r["lr"] == lr for r in rows) else (np.nan, 0.0) for m in swept]
+            stats = [
+                mean_sd([r[metric] for r in rows if r["method"] == m and r["lr"] == lr])
+                if any(r["method"] == m and r["lr"] == lr for r in rows)
+                else (np.nan, 0.0)
+                for m in swept
+            ]
             ax.errorbar([pos[d] for d in deltas], [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", capsize=3, label="FedTOPS")
             for ref, style in (("fedavg", "--"), ("local", ":")):
                 vals = [r[metric] for r in rows if r["method"] == ref and r["lr"] == lr]
@@ -574,19 +648,34 @@ def main(argv: list[str] | None = None) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     p.add_argument("--lrs", type=floats, default=DEFAULT_LRS, help="comma-separated local learning rates")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from: {', '.join(METHODS)}")
-    p.add_argument("--trust-budgets", default="", metavar="0.01,0.05,inf",
-                   help="adds FedTOPS at each trust budget δ (inf: no constraint) as the methods fedtops-d<δ>")
+    p.add_argument(
+        "--trust-budgets",
+        default="",
+        metavar="0.01,0.05,inf",
+        help="adds FedTOPS at each trust budget δ (inf: no constraint) as the methods fedtops-d<δ>",
+    )
     p.add_argument("--seeds", type=ints, default=DEFAULT_SEEDS)
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
-    p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
-                   help="held-out evaluation during the runs every this many rounds; 0: none (the final adapters are graded after each run either way)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=DEFAULT_EVAL_EVERY,
+        help="held-out evaluation during the runs every this many rounds; 0: none (the final adapters are graded after each run either way)",
+    )
     p.add_argument("--jobs", type=int, default=2, help="grid cells run at once (one torch thread each)")
     p.add_argument("--out", type=Path, default=Path("sandbox-results"))
-    p.add_argument("--runs", type=Path, default=None,
-                   help="where the run folders live (default OUT/runs); grids that share it reuse each other's finished runs")
+    p.add_argument(
+        "--runs", type=Path, default=None, help="where the run folders live (default OUT/runs); grids that share it reuse each other's finished runs"
+    )
     p.add_argument("--bootstrap", type=int, default=5000, help="bootstrap draws of the paired intervals")
-    p.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
-                   help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)")
+    p.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        metavar="'k1=v1 k2=v2'",
+        help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)",
+    )
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -619,8 +708,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {cell: finished_run(runs_root, configs[cell]) for cell in cells}
     todo = [cell for cell in cells if runs[cell] is None or not (runs[cell] / GRADES).is_file()]
     fresh = sum(1 for cell in todo if runs[cell] is None)
-    print(f"{len(cells) - fresh} of {len(cells)} runs already finished (reused); running {fresh} and grading "
-          f"{len(todo)} with {args.jobs} job(s)", flush=True)
+    print(
+        f"{len(cells) - fresh} of {len(cells)} runs already finished (reused); running {fresh} and grading {len(todo)} with {args.jobs} job(s)",
+        flush=True,
+    )
     if todo:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -632,8 +723,11 @@ def main(argv: list[str] | None = None) -> int:
                 cell = futures[future]
                 runs[cell], seconds = future.result()
                 m, lr, s = cell
-                print(f"[{i}/{len(todo)}] {m} lr {lr:g} seed {s}: greedy {result_row(m, lr, s, runs[cell])['accuracy']:.1f}% "
-                      f"({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)", flush=True)
+                print(
+                    f"[{i}/{len(todo)}] {m} lr {lr:g} seed {s}: greedy {result_row(m, lr, s, runs[cell])['accuracy']:.1f}% "
+                    f"({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)",
+                    flush=True,
+                )
     rows = [result_row(m, lr, s, runs[m, lr, s]) for m, lr, s in cells]
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -641,10 +735,14 @@ def main(argv: list[str] | None = None) -> int:
     found = intervals(rows, args.bootstrap)
     (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     (args.out / "intervals.json").write_text(json.dumps(found, indent=2) + "\n")
-    parts = [table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds"),
-             table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"),
-             intervals_table(found, k) if found else "", aggregation_table(rows), trust_budget_table(rows, k),
-             change_scale_table(rows)]
+    parts = [
+        table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds"),
+        table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"),
+        intervals_table(found, k) if found else "",
+        aggregation_table(rows),
+        trust_budget_table(rows, k),
+        change_scale_table(rows),
+    ]
     text = "\n".join(part for part in parts if part)
     (args.out / "table.md").write_text(text)
     figures = plot(rows, args.out)

@@ -68,9 +68,20 @@ def train_receiver(cfg: RunConfig, theta: dict, source: dict, start_round: int, 
         outs = []
         for i in range(num_clients):
             out = train_round(
-                models, theta, prompts[i], rollout=dataclasses.replace(cfg.rollout, per_round=per_round), cache=cfg.cache,
-                train=cfg.train, server_round=r, seed=derive_seed(cfg.seed, i), step_offset=(r - 1) * steps, total_steps=total,
-                optimizer_state=optimizer[i], teacher_batch=cfg.model.teacher_batch, build_cache=False, source=source,
+                models,
+                theta,
+                prompts[i],
+                rollout=dataclasses.replace(cfg.rollout, per_round=per_round),
+                cache=cfg.cache,
+                train=cfg.train,
+                server_round=r,
+                seed=derive_seed(cfg.seed, i),
+                step_offset=(r - 1) * steps,
+                total_steps=total,
+                optimizer_state=optimizer[i],
+                teacher_batch=cfg.model.teacher_batch,
+                build_cache=False,
+                source=source,
             )
             optimizer[i] = out.optimizer_state if cfg.train.optimizer_state == "persistent" else None
             outs.append(out.arrays)
@@ -79,8 +90,9 @@ def train_receiver(cfg: RunConfig, theta: dict, source: dict, start_round: int, 
     return theta
 
 
-def source_distance(cfg: RunConfig, theta: dict, delta: dict, reference: float, multipliers: list[float], start_round: int,
-                    num_clients: int) -> dict[str, Any]:
+def source_distance(
+    cfg: RunConfig, theta: dict, delta: dict, reference: float, multipliers: list[float], start_round: int, num_clients: int
+) -> dict[str, Any]:
     """K̂ between the source φ_ref = θ + ``reference``·Δ and each φ_a = θ + aΔ on the receivers' prompts.
 
     For every client: the rollouts φ_ref generates for the receivers' first round (that round's
@@ -110,12 +122,15 @@ def source_distance(cfg: RunConfig, theta: dict, delta: dict, reference: float, 
         models.student.set_lora_arrays(phi)
         cache = build_scoring_cache(models.student, models.teacher, rollouts, cfg.cache, derive_seed(seed, r, 2))
         per_client.append(score_candidates(models.student, cache, theta, delta, multipliers)[1])
-    return {"reference": reference, "multipliers": multipliers, "per_client": per_client,
-            "max": [max(k[j] for k in per_client) for j in range(len(multipliers))]}
+    return {
+        "reference": reference,
+        "multipliers": multipliers,
+        "per_client": per_client,
+        "max": [max(k[j] for k in per_client) for j in range(len(multipliers))],
+    }
 
 
-def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int, num_clients: int, draws: int,
-             out: Path) -> dict[str, Any]:
+def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int, num_clients: int, draws: int, out: Path) -> dict[str, Any]:
     """The intervention on one run folder (see the module doc); writes ``out/source_swap.json``."""
     from client_app.worker import setup_heldout
     from fedopd.heldout import heldout_correctness
@@ -128,8 +143,10 @@ def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int
     if cfg.strategy.name in ("local", "centralized"):
         raise ValueError(f"{run}: a {cfg.strategy.name!r} run has no federated round increment; use a fedavg, fixed or fedtops run")
     if cfg.data.name != "sandbox":
-        raise ValueError(f"{run}: held-out evaluation needs data.name = 'sandbox' (this run: {cfg.data.name!r}); "
-                         "for MATH, evaluate the receivers' adapters with python -m eval.run")
+        raise ValueError(
+            f"{run}: held-out evaluation needs data.name = 'sandbox' (this run: {cfg.data.name!r}); "
+            "for MATH, evaluate the receivers' adapters with python -m eval.run"
+        )
     if round_t < 1 or round_t not in records or not (run / f"round-{round_t:03d}").is_dir():
         raise ValueError(f"--round {round_t}: '{run}' has no round {round_t} (rounds 1..{max(records, default=0)})")
     theta_prev = load_adapter(run / f"round-{round_t - 1:03d}")
@@ -153,15 +170,27 @@ def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int
         grades[name] = {"greedy": np.concatenate(greedy)[:, None], "sampled": np.concatenate(sampled)}
 
     k = cfg.eval.samples
-    result: dict[str, Any] = {"run": str(run), "lr": cfg.train.lr, "seed": cfg.seed, "round": round_t,
-                              "receiver_rounds": receiver_rounds, "questions": int(grades["start"]["sampled"].shape[0]),
-                              "models": {}, "differences": [],
-                              # how far apart the sources are, on the scale of FedTOPS's trust budget
-                              "source_distance": [source_distance(cfg, theta_prev, delta, 0.0, sources, round_t - 1, num_clients),
-                                                  source_distance(cfg, theta_prev, delta, sources[0], sources[1:], round_t - 1, num_clients)]}
+    result: dict[str, Any] = {
+        "run": str(run),
+        "lr": cfg.train.lr,
+        "seed": cfg.seed,
+        "round": round_t,
+        "receiver_rounds": receiver_rounds,
+        "questions": int(grades["start"]["sampled"].shape[0]),
+        "models": {},
+        "differences": [],
+        # how far apart the sources are, on the scale of FedTOPS's trust budget
+        "source_distance": [
+            source_distance(cfg, theta_prev, delta, 0.0, sources, round_t - 1, num_clients),
+            source_distance(cfg, theta_prev, delta, sources[0], sources[1:], round_t - 1, num_clients),
+        ],
+    }
     for name, g in grades.items():
-        result["models"][name] = {"accuracy": 100.0 * float(g["greedy"].mean()), f"avg@{k}": 100.0 * float(g["sampled"].mean()),
-                                  f"pass@{k}": 100.0 * float(g["sampled"].max(axis=1).mean())}
+        result["models"][name] = {
+            "accuracy": 100.0 * float(g["greedy"].mean()),
+            f"avg@{k}": 100.0 * float(g["sampled"].mean()),
+            f"pass@{k}": 100.0 * float(g["sampled"].max(axis=1).mean()),
+        }
     names = list(grades)
     pairs = [(names[1], n) for n in names[2:]] + [("start", n) for n in names[1:]]
     for base, other in pairs:
@@ -185,14 +214,29 @@ def replicate_summary(results: list[dict[str, Any]], draws: int, grid_sd: dict[t
     for lr in sorted({r["lr"] for r in results}):
         runs = [r for r in results if r["lr"] == lr]
         for d0 in runs[0]["differences"]:
-            values = np.asarray([next(d["difference"] for d in r["differences"] if (d["model"], d["minus"], d["metric"]) ==
-                                      (d0["model"], d0["minus"], d0["metric"])) for r in runs])
+            values = np.asarray(
+                [
+                    next(
+                        d["difference"] for d in r["differences"] if (d["model"], d["minus"], d["metric"]) == (d0["model"], d0["minus"], d0["metric"])
+                    )
+                    for r in runs
+                ]
+            )
             rng = np.random.default_rng(0)
             boot = values[rng.integers(0, len(values), size=(draws, len(values)))].mean(axis=1)
             sd = float(values.std(ddof=1)) if len(values) > 1 else float("nan")
-            row = {"lr": lr, "model": d0["model"], "minus": d0["minus"], "metric": d0["metric"], "runs": len(values),
-                   "mean": float(values.mean()), "per_run": values.tolist(), "by_seed": [float(x) for x in np.percentile(boot, [2.5, 97.5])],
-                   "sd": sd, "detectable": detectable_difference(sd, len(values)) if len(values) > 1 else None}
+            row = {
+                "lr": lr,
+                "model": d0["model"],
+                "minus": d0["minus"],
+                "metric": d0["metric"],
+                "runs": len(values),
+                "mean": float(values.mean()),
+                "per_run": values.tolist(),
+                "by_seed": [float(x) for x in np.percentile(boot, [2.5, 97.5])],
+                "sd": sd,
+                "detectable": detectable_difference(sd, len(values)) if len(values) > 1 else None,
+            }
             key = "avg@k" if d0["metric"].startswith("avg@") else d0["metric"]
             if grid_sd and (lr, key) in grid_sd:
                 row["grid_sd"] = grid_sd[lr, key]
@@ -252,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         for d in result["differences"]:
             print(f"  {d['model']} − {d['minus']} {d['metric']}: {d['difference']:+.2f} pp [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]")
         for dist in result["source_distance"]:
-            print(f"  K̂ from source a = {dist['reference']:g}: " + ", ".join(f"a = {a:g}: max {m:.4f}" for a, m in zip(dist["multipliers"], dist["max"])))
+            print(
+                f"  K̂ from source a = {dist['reference']:g}: "
+                + ", ".join(f"a = {a:g}: max {m:.4f}" for a, m in zip(dist["multipliers"], dist["max"]))
+            )
     if len(results) > 1:
         summary = replicate_summary(results, args.bootstrap, grid_spread(args.grid) if args.grid else None)
         folder = args.out or Path(".")
@@ -260,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         (folder / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2) + "\n")
         print("\n| Difference | lr | metric | mean (pp) | seed-bootstrap 95% | sd | detectable (80% power) |\n|---|---|---|---:|---|---:|---:|")
         for row in summary:
-            print(f"| {row['model']} − {row['minus']} | {row['lr']:g} | {row['metric']} | {row['mean']:+.2f} | "
-                  f"[{row['by_seed'][0]:+.2f}, {row['by_seed'][1]:+.2f}] | {row['sd']:.2f} | {row['detectable']:.2f} |")
+            print(
+                f"| {row['model']} − {row['minus']} | {row['lr']:g} | {row['metric']} | {row['mean']:+.2f} | "
+                f"[{row['by_seed'][0]:+.2f}, {row['by_seed'][1]:+.2f}] | {row['sd']:.2f} | {row['detectable']:.2f} |"
+            )
         print(f"\n{folder / 'summary.json'}")
     return 0
 

@@ -14,9 +14,9 @@ The first half of this module is pure tensor math; :func:`build_scoring_cache` a
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -141,7 +141,7 @@ class ScoringCache:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "ScoringCache":
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> ScoringCache:
         return cls(**{f.name: np.asarray(arrays[f.name]) for f in fields(cls)})
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -49,7 +50,13 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
     )
 
 
@@ -165,7 +172,7 @@ class RunConfig:
     logging: LoggingSettings = LoggingSettings()
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any]) -> "RunConfig":
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> RunConfig:
         return parse_run_config(run_config)
 
     def to_run_config(self) -> dict[str, Any]:
@@ -294,9 +301,15 @@ _key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
 _key("rollout.temperature", "rollout.temperature", _float(0.0, strict=True))
 _key("rollout.top-p", "rollout.top_p", _float(0.0, strict=True, hi=1.0))
 _key("rollout.gpu-memory-utilization", "rollout.gpu_memory_utilization", _float(0.0, strict=True, hi=1.0))
-_key("rollout.stop-tokens", "rollout.stop_tokens",
-     (str, lambda v: v.strip() == "auto" or all(t.strip() for t in v.split(",")),
-      "'auto' (the student's and the teacher's EOS ids) or a comma-separated list of token strings, e.g. '<|im_end|>,<|endoftext|>'"))
+_key(
+    "rollout.stop-tokens",
+    "rollout.stop_tokens",
+    (
+        str,
+        lambda v: v.strip() == "auto" or all(t.strip() for t in v.split(",")),
+        "'auto' (the student's and the teacher's EOS ids) or a comma-separated list of token strings, e.g. '<|im_end|>,<|endoftext|>'",
+    ),
+)
 _key("train.lr", "train.lr", _float(0.0, strict=True))
 _key("train.mini-batch", "train.mini_batch", _int(1))
 _key("train.micro-batch", "train.micro_batch", _int(1))
@@ -307,13 +320,17 @@ _key("train.exact-kl", "train.exact_kl", _bool())
 _key("train.loss", "train.loss", _registered("fedopd.loss", "DIVERGENCES"))
 _key("train.loss-beta", "train.loss_beta", _float(0.0, strict=False, hi=1.0))
 _key("strategy.name", "strategy.name", _registered("fedtops_strategy.factory", "STRATEGIES"))
-_key("strategy.multiplier", "strategy.multiplier",
-     (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER),
-      "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"))
-_key("strategy.candidates", "strategy.candidates",
-     (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"))
-_key("strategy.trust-budget", "strategy.trust_budget",
-     (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"))
+_key(
+    "strategy.multiplier",
+    "strategy.multiplier",
+    (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER), "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"),
+)
+_key(
+    "strategy.candidates",
+    "strategy.candidates",
+    (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"),
+)
+_key("strategy.trust-budget", "strategy.trust_budget", (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"))
 _key("strategy.fraction-train", "strategy.fraction_train", _float(0.0, strict=True, hi=1.0))
 _key("strategy.min-train-clients", "strategy.min_train_clients", _int(1))
 _key("cache.rollouts", "cache.rollouts", _int(1))
@@ -335,8 +352,7 @@ RUN_CONFIG_KEYS = tuple(_KEYS)
 
 # Keys that may differ between a run and its resumption: they change no adapter and no record.
 # num-server-rounds may grow (the remaining rounds then follow the longer cosine schedule).
-RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate",
-                    "logging.tensorboard")
+RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate", "logging.tensorboard")
 
 
 def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
@@ -402,9 +418,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         for key in unknown:
             close = difflib.get_close_matches(key, RUN_CONFIG_KEYS, n=1, cutoff=0.6)
             named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(
-            f"unknown run config key(s) {', '.join(named)}; allowed keys: {', '.join(RUN_CONFIG_KEYS)}"
-        )
+        raise ConfigError(f"unknown run config key(s) {', '.join(named)}; allowed keys: {', '.join(RUN_CONFIG_KEYS)}")
     values: dict[tuple[str, ...], Any] = {}
     for key, raw in run_config.items():
         path, (typ, check, allowed) = _KEYS[key]

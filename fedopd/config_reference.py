@@ -53,8 +53,7 @@ def render_page(page: str, generated: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedopd.config_reference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m fedopd.config_reference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write", action="store_true", help=f"replace the table in {PAGE.relative_to(PAGE.parent.parent)}")
     args = p.parse_args(argv)
     if args.write:

@@ -20,9 +20,9 @@ truncated.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,9 +70,7 @@ def encode_prompts(tokenizer, rows: Sequence[dict], max_prompt_tokens: int, *, s
         if len(ids) <= max_prompt_tokens:
             prompts.append(Prompt(row["problem"], str(row["answer"]), str(row.get("group", "")), tuple(ids)))
     if not prompts:
-        raise ValueError(
-            f"{source}: all {len(rows)} prompts are longer than data.max-prompt-tokens = {max_prompt_tokens}"
-        )
+        raise ValueError(f"{source}: all {len(rows)} prompts are longer than data.max-prompt-tokens = {max_prompt_tokens}")
     return prompts
 
 
@@ -183,8 +181,13 @@ def round_indices(num_prompts: int, server_round: int, per_round: int, seed: int
 
 MATH_HUB_ID = "EleutherAI/hendrycks_math"
 MATH_CONFIGS = (
-    "algebra", "counting_and_probability", "geometry", "intermediate_algebra",
-    "number_theory", "prealgebra", "precalculus",
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
 )
 MATH_CLIENT_GROUPS = (
     ("Prealgebra", "Algebra"),
@@ -529,8 +532,10 @@ def describe(data: DataSettings, num_partitions: int, heldout_count: int = 0) ->
     if data.partitioner == "dirichlet":
         how += f", data.dirichlet-alpha = {data.dirichlet_alpha}"
     lines = [
-        (f"data.name = {data.name!r}, {how}, data.prompts-per-client = {data.prompts_per_client}, "
-         f"data.seed = {data.seed}: {num_partitions} partitions, {sum(len(p) for p in parts)} prompts")
+        (
+            f"data.name = {data.name!r}, {how}, data.prompts-per-client = {data.prompts_per_client}, "
+            f"data.seed = {data.seed}: {num_partitions} partitions, {sum(len(p) for p in parts)} prompts"
+        )
     ]
     for pid, rows in enumerate(parts):
         lines.append(f"partition {pid}: {describe_partition(rows, data.partition_by)}")
@@ -554,7 +559,11 @@ def plot_partitions(data: DataSettings, num_partitions: int, out: str) -> None:
 
     parts = [DATASETS[data.name].train_rows(data, pid, num_partitions) for pid in range(num_partitions)]
     fig, _, _ = plot_label_distributions(
-        fixed_partitioner(parts, data.partition_by), label_name=LABEL, legend=True, legend_title=data.partition_by, verbose_labels=False,
+        fixed_partitioner(parts, data.partition_by),
+        label_name=LABEL,
+        legend=True,
+        legend_title=data.partition_by,
+        verbose_labels=False,
         title=f"{data.name}: data.partitioner = {data.partitioner!r}, by {data.partition_by!r}",
     )
     fig.savefig(out, bbox_inches="tight")
@@ -573,8 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     desc = commands.add_parser("describe", help="each partition's size and mix over data.partition-by (and held-out problems)")
     desc.add_argument("--preset", help="a preset of configs/ (e.g. tiny) or a TOML file of run-config overrides")
-    desc.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
-                      help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    desc.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        metavar="'k1=v1 k2=v2'",
+        help="overrides exactly as for `flwr run --run-config` (repeatable)",
+    )
     desc.add_argument("--num-partitions", type=int, default=0, help="default: num-clients, or 3")
     desc.add_argument("--plot", metavar="FILE", help="also draw Flower Datasets' partition plot to FILE (e.g. out.png)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -81,8 +82,13 @@ def make_partitioner(partitioner: str, num_partitions: int, *, alpha: float, see
         return IidPartitioner(num_partitions=num_partitions)
     if partitioner == "dirichlet":
         return DirichletPartitioner(
-            num_partitions=num_partitions, partition_by=LABEL, alpha=float(alpha),
-            min_partition_size=1, self_balancing=False, shuffle=True, seed=seed,
+            num_partitions=num_partitions,
+            partition_by=LABEL,
+            alpha=float(alpha),
+            min_partition_size=1,
+            self_balancing=False,
+            shuffle=True,
+            seed=seed,
         )
     if partitioner == "natural":
         return NaturalIdPartitioner(partition_by=LABEL)
@@ -158,8 +164,14 @@ def partition_pool(pool: Sequence[dict], num_partitions: int, data: DataSettings
     needs_labels = data.partitioner != "iid" or all(r.get(by) is not None for r in pool)
     labels = labels_of(pool, by, source) if needs_labels else None
     parts = partition_indices(
-        len(pool), labels, num_partitions, data.partitioner,
-        partition_by=by, alpha=data.dirichlet_alpha, seed=data.seed, source=source,
+        len(pool),
+        labels,
+        num_partitions,
+        data.partitioner,
+        partition_by=by,
+        alpha=data.dirichlet_alpha,
+        seed=data.seed,
+        source=source,
     )
     return [[pool[int(i)] for i in part] for part in parts]
 

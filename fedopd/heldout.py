@@ -6,7 +6,7 @@ handler and ``python -m eval.source_swap`` call it; it imports nothing from ``ev
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

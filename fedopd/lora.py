@@ -9,8 +9,9 @@ factors share a shape). Aggregation and server scaling act on these factors dire
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -24,8 +24,8 @@ defines them so): they live in :mod:`fedopd.cache`, not here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from math import comb
-from typing import Mapping, Sequence
 
 import numpy as np
 

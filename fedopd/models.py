@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib.util
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
@@ -85,8 +85,7 @@ def resolve_model_path(name: str) -> str:
         return str(path)
     if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
         raise ModelLoadError(
-            f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', "
-            f"or one of {', '.join(BUILTIN_MODELS)}"
+            f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', or one of {', '.join(BUILTIN_MODELS)}"
         )
     return name
 
@@ -131,9 +130,7 @@ class CausalLM:
         block-diagonal mask for SDPA).
         """
         body = self.causal_lm.base_model
-        return body(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
 
     @property
     def attn_implementation(self) -> str:
@@ -205,9 +202,7 @@ class CausalLM:
             raise ValueError(f"LoRA arrays do not match the adapter of '{self.name}': {problem}")
         for n, param in params.items():
             if tuple(np.shape(arrays[n])) != tuple(param.shape):
-                raise ValueError(
-                    f"LoRA factor '{n}' has shape {tuple(np.shape(arrays[n]))}, the adapter's is {tuple(param.shape)}"
-                )
+                raise ValueError(f"LoRA factor '{n}' has shape {tuple(np.shape(arrays[n]))}, the adapter's is {tuple(param.shape)}")
         with torch.no_grad():
             for n, param in params.items():
                 param.copy_(torch.from_numpy(np.ascontiguousarray(arrays[n], dtype=np.float32)))
@@ -230,9 +225,7 @@ def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | Non
     torch_dtype = resolve_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attention_implementation(device)
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention_implementation(device))
     except OSError as err:
         raise ModelLoadError(f"could not load model '{name}' (resolved to '{path}'): {err}") from err
     model.to(device).eval()

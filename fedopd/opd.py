@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -70,9 +70,7 @@ def divergence_mean(
     """
     if student_logits.shape != teacher_logits.shape or student_logits.shape[:-1] != mask.shape:
         name = getattr(divergence, "__name__", "divergence")
-        raise ValueError(
-            f"{name}: shapes {tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}, {tuple(mask.shape)}"
-        )
+        raise ValueError(f"{name}: shapes {tuple(student_logits.shape)}, {tuple(teacher_logits.shape)}, {tuple(mask.shape)}")
     v = student_logits.shape[-1]
     m = mask.reshape(-1).to(torch.float32)
 
@@ -127,9 +125,7 @@ def reverse_kl_sum_from_hidden(
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """Σ over N positions of the reverse KL: :func:`divergence_sum_from_hidden` with KL(p_θ ‖ q)."""
-    return divergence_sum_from_hidden(
-        student_hidden, student_head, teacher_hidden, teacher_head, token_reverse_kl, chunk_size=chunk_size
-    )
+    return divergence_sum_from_hidden(student_hidden, student_head, teacher_hidden, teacher_head, token_reverse_kl, chunk_size=chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,9 +134,7 @@ def reverse_kl_sum_from_hidden(
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], settings) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, eps=1e-8
-    )
+    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, eps=1e-8)
 
 
 def optimizer_state_to_arrays(optimizer: torch.optim.Optimizer) -> dict[str, np.ndarray]:
@@ -280,9 +274,7 @@ def mean_reverse_kl(student, teacher, batches: Sequence[TokenBatch], hidden: Seq
 _MASKED_ATTENTION = ("sdpa", "eager")
 
 
-def packed_rows_isolated(
-    attn_implementation: str, *, transformers_version: str | None = None, torch_version: str | None = None
-) -> tuple[bool, str]:
+def packed_rows_isolated(attn_implementation: str, *, transformers_version: str | None = None, torch_version: str | None = None) -> tuple[bool, str]:
     """Whether packed rows keep their sequences apart under ``attn_implementation`` with the
     installed transformers and torch (or the versions given), and why, as a short sentence that
     names them. Implementations other than flash-attention, SDPA and eager are not verified: False."""
@@ -335,9 +327,7 @@ def make_micro_batches(rollouts, plan: list[list[list[int]]], pad_id: int, devic
         for idx in mini:
             prompts = [rollouts.prompt_ids[i] for i in idx]
             responses = [rollouts.response_ids[i] for i in idx]
-            out[tuple(idx)] = (
-                make_packed_batch(prompts, responses, device) if packed else make_batch(prompts, responses, pad_id, device)
-            )
+            out[tuple(idx)] = make_packed_batch(prompts, responses, device) if packed else make_batch(prompts, responses, pad_id, device)
     return out
 
 

@@ -25,13 +25,14 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fedopd.config import ConfigError, RunConfig, check_server_requirements, parse_run_config
-from fedopd.presets import app_defaults, load_preset, overrides_from_args
 from fedopd.errors import ModelLoadError
+from fedopd.presets import app_defaults, load_preset, overrides_from_args
 
 GIB = 1024**3
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -141,13 +142,19 @@ def estimated_parameters(config) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def memory_estimate(cfg: RunConfig, student_config, teacher_config, student_params: int, teacher_params: int,
-                    total_gib: float, backend: str) -> dict[str, float]:
+def memory_estimate(
+    cfg: RunConfig, student_config, teacher_config, student_params: int, teacher_params: int, total_gib: float, backend: str
+) -> dict[str, float]:
     """GiB per item on one client's GPU: the terms of the docstring's item 8."""
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     # LoRA factors r x (in + out) per target module and layer, bounded by the widest projection;
     # fp32 weights, gradients and AdamW's two moments.
-    lora = cfg.lora.rank * (student_config.hidden_size + student_config.intermediate_size) * len(cfg.lora.target_modules) * student_config.num_hidden_layers
+    lora = (
+        cfg.lora.rank
+        * (student_config.hidden_size + student_config.intermediate_size)
+        * len(cfg.lora.target_modules)
+        * student_config.num_hidden_layers
+    )
     tokens = cfg.train.micro_batch * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     h, layers = student_config.hidden_size, student_config.num_hidden_layers
     if cfg.train.gradient_checkpointing:
@@ -210,6 +217,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     files, paths = {}, {}
     for role, name in (("student", cfg.model.student), ("teacher", cfg.model.teacher)):
+
         def find(role=role, name=name):
             path, how = locate_model(name)
             files[role] = ModelFiles.load(name)
@@ -227,8 +235,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
         rows = {r: getattr(files[r].config, "vocab_size", width) for r in files}
         if width > min(rows.values()):
             raise ModelLoadError(
-                f"the tokenizer has {width} tokens but the models have {rows['student']} / {rows['teacher']} logit rows; "
-                "choose models of one family"
+                f"the tokenizer has {width} tokens but the models have {rows['student']} / {rows['teacher']} logit rows; choose models of one family"
             )
         padded = f" (logit rows {rows['student']} / {rows['teacher']}, compared on the tokenizer's {width})" if min(rows.values()) > width else ""
         report.add("model pair", OK, f"one vocabulary of {width} tokens{padded}")
@@ -253,8 +260,12 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
                 f"an assistant turn ends with {name!r} (id {end}), which is not in the stop set {list(stop.tokens)}: "
                 f"responses would run on into a new turn; set rollout.stop-tokens = '{','.join([*stop.tokens, name])}'"
             )
-        report.add("chat template", OK, f"renders the paper's prompt ({len(student.tokenizer(text, add_special_tokens=False)['input_ids'])} tokens, "
-                                         f"enable_thinking=False); a turn ends with {name!r}, in the stop set")
+        report.add(
+            "chat template",
+            OK,
+            f"renders the paper's prompt ({len(student.tokenizer(text, add_special_tokens=False)['input_ids'])} tokens, "
+            f"enable_thinking=False); a turn ends with {name!r}, in the stop set",
+        )
 
     _guard(report, "chat template", template)
 
@@ -281,8 +292,12 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
                 "raise data.max-prompt-tokens or choose shorter prompts"
             )
         short = any(kept < cfg.rollout.per_round for kept, _ in counts)
-        report.add("prompts", WARN if short else OK, f"{detail} within {cfg.data.max_prompt_tokens} tokens"
-                   + (f" (fewer than rollout.per-round = {cfg.rollout.per_round}: prompts repeat within a round)" if short else ""))
+        report.add(
+            "prompts",
+            WARN if short else OK,
+            f"{detail} within {cfg.data.max_prompt_tokens} tokens"
+            + (f" (fewer than rollout.per-round = {cfg.rollout.per_round}: prompts repeat within a round)" if short else ""),
+        )
 
     _guard(report, "prompts", prompts)
 
@@ -300,8 +315,11 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     if backend == "vllm" and not vllm_available():
         report.add("engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU; install vLLM or use 'auto'/'hf'")
     else:
-        report.add("engines", OK if cuda or backend == "hf" else WARN,
-                   f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"))
+        report.add(
+            "engines",
+            OK if cuda or backend == "hf" else WARN,
+            f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"),
+        )
 
     from fedopd.models import attention_implementation, default_device
     from fedopd.opd import packed_rows_isolated
@@ -309,8 +327,9 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     attention = attention_implementation(default_device())
     if cfg.train.packing == "packed":
         isolated, why = packed_rows_isolated(attention)
-        report.add("packing", OK if isolated else FAIL,
-                   why if isolated else f"{why}; use train.packing = 'padded' or 'auto', or upgrade torch/transformers")
+        report.add(
+            "packing", OK if isolated else FAIL, why if isolated else f"{why}; use train.packing = 'padded' or 'auto', or upgrade torch/transformers"
+        )
     else:
         packed = cfg.train.packing == "auto" and attention.startswith("flash_attention")
         report.add("packing", OK, f"train.packing = {cfg.train.packing!r}: {'packed' if packed else 'padded'} micro-batches under {attention}")
@@ -343,8 +362,14 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedopd.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
-    parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
-                        help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        metavar="'k1=v1 k2=v2'",
+        help="overrides exactly as for `flwr run --run-config` (repeatable)",
+    )
     parser.add_argument("--num-clients", type=int, default=None, help="clients to check prompts for (default: num-clients, else 3)")
     parser.add_argument("--gpu-free-gib", type=float, default=None, help="simulate a GPU with this much free memory")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+import tomllib
 
 from fedopd.config import ConfigError, check_server_requirements, parse_run_config
 
@@ -72,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         "without loading a model; print the resolved config. Exit status 1 on any problem.",
     )
     parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
-    parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'",
-                        help="overrides exactly as for `flwr run --run-config` (repeatable)")
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        metavar="'k1=v1 k2=v2'",
+        help="overrides exactly as for `flwr run --run-config` (repeatable)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         merged = app_defaults()

@@ -9,7 +9,7 @@ implements the same interface for paper-scale runs.
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -110,9 +110,7 @@ class HFRolloutEngine(RolloutEngine):
                 streamer = None
                 if self.progress is not None:
                     streamer = GenerationProgress(self.progress, params.max_new_tokens, len(batch), self.progress_every_s)
-                out = model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, streamer=streamer
-                )
+                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, streamer=streamer)
                 for row in out[:, width:].tolist():
                     response, hit = split_response(row, self.eos_ids, params.max_new_tokens)
                     responses.append(response)

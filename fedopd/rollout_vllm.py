@@ -41,13 +41,12 @@ import importlib.util
 import math
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
-from fedopd.lora import name_mismatch
-from fedopd.lora import save_adapter
+from fedopd.lora import name_mismatch, save_adapter
 from fedopd.rollout_types import RolloutEngine, Rollouts, SamplingParams
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
@@ -93,9 +92,7 @@ def check_vllm_sampling(temperature: float, key: str) -> None:
         )
 
 
-def llm_kwargs(
-    model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int
-) -> dict:
+def llm_kwargs(model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int) -> dict:
     """Arguments of ``vllm.LLM`` for a student served with one LoRA adapter at a time."""
     return dict(
         model=model,
@@ -166,8 +163,7 @@ def finished(
     stop = {int(t) for t in stop_token_ids}
     if finish_reason not in FINISHED_REASONS:
         raise RuntimeError(
-            f"vLLM request {index} did not finish: finish_reason = {finish_reason!r} "
-            f"(expected 'stop' or 'length') after {len(tokens)} tokens"
+            f"vLLM request {index} did not finish: finish_reason = {finish_reason!r} (expected 'stop' or 'length') after {len(tokens)} tokens"
         )
     if finish_reason == "length":
         return tokens, not (stop and tokens and tokens[-1] in stop)
@@ -218,8 +214,12 @@ class VLLMRolloutEngine(RolloutEngine):
         workdir: str | Path | None = None,
     ) -> None:
         kwargs = llm_kwargs(
-            model, lora_rank=int(lora_config.r), max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed,
+            model,
+            lora_rank=int(lora_config.r),
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            seed=seed,
         )  # checks the rank before vLLM starts
         from vllm import LLM
 
@@ -252,20 +252,18 @@ class VLLMRolloutEngine(RolloutEngine):
 
         if self._request is None:
             raise RuntimeError("VLLMRolloutEngine.generate before set_adapter: which student weights?")
-        sampling = [
-            VLLMSamplingParams(**sampling_kwargs(params, s, self.stop_token_ids))
-            for s in request_seeds(params.seed, len(prompts))
-        ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, lora_request=self._request, use_tqdm=False
-        )
+        sampling = [VLLMSamplingParams(**sampling_kwargs(params, s, self.stop_token_ids)) for s in request_seeds(params.seed, len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, lora_request=self._request, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         responses, capped = [], []
         for i, out in enumerate(outputs):
             completion = out.outputs[0]
             response, hit = finished(
-                completion.token_ids, completion.finish_reason, self.stop_token_ids, i,
+                completion.token_ids,
+                completion.finish_reason,
+                self.stop_token_ids,
+                i,
                 stop_reason=getattr(completion, "stop_reason", None),
             )
             responses.append(response)

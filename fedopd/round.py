@@ -6,8 +6,8 @@ the candidate scores of the server's query. Flower-free: the ClientApp is a thin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -56,8 +56,12 @@ def load_client_models(
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
     stop = resolve_stop_tokens(stop_tokens, ModelFiles.of(s), ModelFiles.of(t))
     engine = make_rollout_engine(
-        backend, s, stop_token_ids=stop.ids, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+        backend,
+        s,
+        stop_token_ids=stop.ids,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
     )
     return ClientModels(s, t, engine, stop)
 

@@ -12,8 +12,8 @@ by chunk inside the loss, so full teacher distributions (N × V) are never held.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -17,8 +17,9 @@ here reads tokenizers and configs only: no weights are loaded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from fedopd.errors import ModelLoadError
 
@@ -37,13 +38,13 @@ class ModelFiles:
     generation_config: Any = None  # transformers GenerationConfig (generation_config.json), if any
 
     @classmethod
-    def of(cls, lm) -> "ModelFiles":
+    def of(cls, lm) -> ModelFiles:
         """From a loaded :class:`fedopd.models.CausalLM`."""
         model = lm.causal_lm
         return cls(lm.name, lm.tokenizer, model.config, getattr(model, "generation_config", None))
 
     @classmethod
-    def load(cls, name: str) -> "ModelFiles":
+    def load(cls, name: str) -> ModelFiles:
         """Tokenizer, config and generation config of a hub id, local folder or built-in name."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -190,7 +191,7 @@ def end_of_turn_token(tokenizer) -> int | None:
         return None
     if marker not in text:
         return None
-    after = text[text.rindex(marker) + len(marker):]
+    after = text[text.rindex(marker) + len(marker) :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
     special = set(getattr(tokenizer, "all_special_ids", [])) | {
         int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)

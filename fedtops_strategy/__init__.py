@@ -8,6 +8,13 @@ from fedtops_strategy.references import Centralized, LocalTraining
 from fedtops_strategy.selection import select_multiplier
 
 __all__ = [
-    "STRATEGIES", "Centralized", "FedTOPS", "FixedMultiplier", "LoRAFedAvg", "LocalTraining", "make_strategy",
-    "register_strategy", "select_multiplier",
+    "STRATEGIES",
+    "Centralized",
+    "FedTOPS",
+    "FixedMultiplier",
+    "LoRAFedAvg",
+    "LocalTraining",
+    "make_strategy",
+    "register_strategy",
+    "select_multiplier",
 ]

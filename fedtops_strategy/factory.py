@@ -16,7 +16,8 @@ messages' config (``learner``, ``build-scoring-cache``), never as its name::
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
-from typing import Iterable, Sequence
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
@@ -146,8 +146,14 @@ class FedTOPS(ReplyScreening, FedAvg):
         if selection.fallback:
             log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
         if selection.capped:
-            log(WARNING, "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",
-                server_round, ", ".join(map(str, record["unscored-node-ids"])), selection.selected, selection.cap)
+            log(
+                WARNING,
+                "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",
+                server_round,
+                ", ".join(map(str, record["unscored-node-ids"])),
+                selection.selected,
+                selection.cap,
+            )
         record["teacher_scores"] = selection.teacher_scores
         record["fallback"] = selection.fallback
         record["num-feasible"] = selection.num_feasible
@@ -162,9 +168,7 @@ class FedTOPS(ReplyScreening, FedAvg):
             metrics["teacher-scores"] = selection.teacher_scores
         return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
 
-    def _valid_scores(
-        self, server_round: int, replies: list[Message], nodes: list[int]
-    ) -> list[tuple[int, list[float], list[float], float]]:
+    def _valid_scores(self, server_round: int, replies: list[Message], nodes: list[int]) -> list[tuple[int, list[float], list[float], float]]:
         """(node, Ĵ_i, K̂_i, weight) of every valid score reply, in the order of ``nodes``; the
         others, and the clients that did not answer, go to the round's ``excluded``."""
         excluded = self.records[server_round]["excluded"]

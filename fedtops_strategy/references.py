@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
@@ -45,8 +45,7 @@ class LocalTraining(ReplyScreening, FedAvg):
         node = message.metadata.dst_node_id
         content = RecordDict({key: value for key, value in message.content.items()})
         content[self.arrayrecord_key] = self.client_arrays.get(node, initial)
-        return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node,
-                       group_id=message.metadata.group_id)
+        return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node, group_id=message.metadata.group_id)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         kept = self.screen_train_replies(server_round, replies)
@@ -80,5 +79,8 @@ class Centralized(ReplyScreening, FedAvg):
         config = ConfigRecord(dict(first.content[self.configrecord_key]))
         config[POOLED_CLIENTS] = len(messages)
         content[self.configrecord_key] = config
-        return [Message(content=content, message_type=first.metadata.message_type,
-                        dst_node_id=first.metadata.dst_node_id, group_id=first.metadata.group_id)]
+        return [
+            Message(
+                content=content, message_type=first.metadata.message_type, dst_node_id=first.metadata.dst_node_id, group_id=first.metadata.group_id
+            )
+        ]

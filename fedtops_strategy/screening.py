@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterable, Sequence
 from logging import WARNING
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
@@ -34,10 +35,7 @@ WEIGHT_KEY = "num-examples"
 def reply_problem(content, reference: ArrayRecord) -> str | None:
     """Why a train reply cannot be averaged with θ_t (``reference``), or None."""
     if len(content.array_records) != 1 or len(content.metric_records) != 1:
-        return (
-            f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} "
-            f"and {len(content.metric_records)}"
-        )
+        return f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} and {len(content.metric_records)}"
     arrays = next(iter(content.array_records.values()))
     if list(arrays.keys()) != list(reference.keys()):
         return "its array keys differ from the global adapter's"
@@ -194,8 +192,10 @@ class ReplyScreening:
         if arrays is None:
             record["hold-reason"] = "no valid client update"
         elif self.averages_factors:
-            self._averaged = ([from_record(next(iter(m.content.array_records.values()))) for m in kept],
-                              [float(c[WEIGHT_KEY]) for c in record["clients"]])
+            self._averaged = (
+                [from_record(next(iter(m.content.array_records.values()))) for m in kept],
+                [float(c[WEIGHT_KEY]) for c in record["clients"]],
+            )
             self.record_aggregation_error(server_round, from_record(arrays), record["multiplier"])
         return arrays, metrics
 

@@ -14,17 +14,15 @@ the weighted Ĵ, the rule, and the cap at 1 when a client that trained returned 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 HOLD = 0.0
 
 
-def feasible_indices(
-    change_scores: Sequence[Sequence[float]], trust_budget: float, num_candidates: int, feasibility_tol: float = 1e-8
-) -> list[int]:
+def feasible_indices(change_scores: Sequence[Sequence[float]], trust_budget: float, num_candidates: int, feasibility_tol: float = 1e-8) -> list[int]:
     """Indices j with K_i(candidates[j]) <= trust_budget + tol for every client i (NaN: infeasible)."""
     limit = trust_budget + feasibility_tol
     return [j for j in range(num_candidates) if all(row[j] <= limit for row in change_scores)]
@@ -122,9 +120,7 @@ def select_round(
     if not client_teacher_scores:
         return Selection(FALLBACK, FALLBACK, None, 0, None, fallback=True)
     teacher_scores = weighted_teacher_scores(client_teacher_scores, weights)
-    selected = select_multiplier(
-        candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol
-    )
+    selected = select_multiplier(candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol)
     num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol))
     cap = None if all_scored else UNSCORED_CAP
     multiplier = selected if cap is None else min(selected, cap)

@@ -71,7 +71,7 @@ def failure_reasons(excluded: list[dict]) -> str:
     nodes: dict[str, list[int]] = {}
     for entry in excluded:
         reason = str(entry.get("reason", "?"))
-        reason = reason[len(ERROR_REPLY):] if reason.startswith(ERROR_REPLY) else reason
+        reason = reason[len(ERROR_REPLY) :] if reason.startswith(ERROR_REPLY) else reason
         nodes.setdefault(reason, []).append(int(entry["node-id"]))
     if not nodes:
         return "no client was sent a train message"
@@ -84,7 +84,8 @@ def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: 
     if failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
         return None
     when = (
-        f"round {server_round}" if failed_rounds == 1
+        f"round {server_round}"
+        if failed_rounds == 1
         else f"{failed_rounds} consecutive rounds ({server_round - failed_rounds + 1}-{server_round}); in round {server_round}"
     )
     return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
@@ -108,10 +109,14 @@ def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) 
             f"a resumed run may change only {', '.join(RESUME_FREE_KEYS)}"
         )
     if cfg.num_server_rounds < int(original["num-server-rounds"]):
-        raise ConfigError(f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow")
+        raise ConfigError(
+            f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow"
+        )
     done = max((r["round"] for r in complete_rounds(path)), default=0)
     if done >= cfg.num_server_rounds:
-        raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: the run already completed its {done} rounds; raise 'num-server-rounds' to continue it")
+        raise ConfigError(
+            f"run config 'resume-from' = {cfg.resume_from!r}: the run already completed its {done} rounds; raise 'num-server-rounds' to continue it"
+        )
     run = RunFolder(path, cfg, lora_config, resolved)
     return run, done
 
@@ -203,8 +208,13 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
             started = time.perf_counter()
             record["evaluation"] = evaluate_round(
-                grid, server_round, lambda node: strategy.evaluation_arrays(node, global_arrays), local_mean=per_client,
-                timeout=cfg.timeout.evaluate, fraction=cfg.eval.fraction, seed=cfg.seed,
+                grid,
+                server_round,
+                lambda node: strategy.evaluation_arrays(node, global_arrays),
+                local_mean=per_client,
+                timeout=cfg.timeout.evaluate,
+                fraction=cfg.eval.fraction,
+                seed=cfg.seed,
             )
             record["eval_seconds"] = time.perf_counter() - started
             traffic["evaluate"] = grid.last_traffic

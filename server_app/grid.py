@@ -15,7 +15,7 @@ until the next ``send_and_receive``.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid

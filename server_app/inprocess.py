@@ -14,8 +14,9 @@ ClientApp handlers are the ones ``flwr run`` uses.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict

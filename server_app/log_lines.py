@@ -83,8 +83,10 @@ def aggregation_error_summary(record: dict) -> str:
 def round_summary(record: dict, num_rounds: int) -> str:
     """One readable line per round for ``flwr run --stream``."""
     if record["round"] == 0:
-        return (f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
-                f"{communication_summary(record)}")
+        return (
+            f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
+            f"{communication_summary(record)}"
+        )
     a = record.get("multiplier")
     j = "-"
     if record.get("teacher_scores") and a in (record.get("candidates") or []):
@@ -104,9 +106,11 @@ def round_summary(record: dict, num_rounds: int) -> str:
         unscored = ", ".join(str(n) for n in record.get("unscored-node-ids", []))
         capped = f" (capped at {record['multiplier-cap']:g}, selected {record['selected-multiplier']:g}: no valid scores from node {unscored})"
     flags = "".join(
-        [" (fallback: no score replies)" if record.get("fallback") else "",
-         capped,
-         f" ({len(record['excluded'])} excluded)" if record.get("excluded") else ""]
+        [
+            " (fallback: no score replies)" if record.get("fallback") else "",
+            capped,
+            f" ({len(record['excluded'])} excluded)" if record.get("excluded") else "",
+        ]
     )
     a = "-" if a is None else f"{a:g}"
     return (

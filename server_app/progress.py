@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from server_app.traffic import PHASES, human_bytes, run_traffic, totals
 
@@ -104,13 +105,14 @@ def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path
     fig = Figure(figsize=(20, 7), layout="constrained")
     axes = fig.subplots(2, 4, sharex=True)
     panels = [
-        (axes[0, 0], "held-out accuracy (%)",
-         ["heldout/greedy"] + sorted({k for _, s in rows for k in s if k.startswith("heldout/avg@")})),
-        (axes[0, 1], "KL to the teacher (nats per token)",
-         ["clients/loss_first", "clients/loss_last", "clients/kl_before", "clients/kl_after", "server/teacher_score_selected"]),
+        (axes[0, 0], "held-out accuracy (%)", ["heldout/greedy"] + sorted({k for _, s in rows for k in s if k.startswith("heldout/avg@")})),
+        (
+            axes[0, 1],
+            "KL to the teacher (nats per token)",
+            ["clients/loss_first", "clients/loss_last", "clients/kl_before", "clients/kl_after", "server/teacher_score_selected"],
+        ),
         (axes[0, 2], "selected multiplier a", ["server/multiplier"]),
-        (axes[0, 3], "error of averaging the LoRA factors (% of the update)",
-         ["server/aggregation_error", "server/aggregation_error_applied"]),
+        (axes[0, 3], "error of averaging the LoRA factors (% of the update)", ["server/aggregation_error", "server/aggregation_error_applied"]),
         (axes[1, 0], "round time (s)", ["server/round_seconds"]),
         (axes[1, 1], "communication since round 0 (MB, all clients)", list(CUMULATIVE)),
         (axes[1, 2], "communication per round by phase (MB, sent + received)", [f"comm/{phase}_mb" for phase in PHASES]),

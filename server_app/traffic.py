@@ -17,7 +17,8 @@ are the content's size, within a few percent of the transport's for a trained ad
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from flwr.app import Message, RecordDict
 from flwr.common.serde import recorddict_to_proto

@@ -91,10 +91,28 @@ BUILDERS = {
 
 # Published architectures (config.json of Qwen/Qwen3-0.6B-Base and Qwen/Qwen3-8B on the hub) for
 # memory planning without weights: the sandbox tokenizer and template stand in for Qwen's.
-QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960)
+QWEN3_0_6B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+)
 
 
 def architecture_only(source: str, dest: Path, architecture: dict) -> Path:

@@ -145,7 +145,7 @@ def forward_roundings(config, seq_len: int, lora_rank: int = 0) -> int:
     heads = config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
     r = lora_rank
-    per_layer = (h + h + r + 2 * d + 2 * seq_len + heads * d + r + h + h + r + i + r + ELEMENTWISE_PER_LAYER)
+    per_layer = h + h + r + 2 * d + 2 * seq_len + heads * d + r + h + h + r + i + r + ELEMENTWISE_PER_LAYER
     return config.num_hidden_layers * per_layer + 2 * h
 
 

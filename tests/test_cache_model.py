@@ -9,11 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from precision import coarse_log_prob_pair_error, logit_error, logsumexp_error, lse_error, sum_error
 
 from fedopd.cache import build_scoring_cache
 from fedopd.config import CacheSettings
 from fedopd.rollout import Rollouts
-from precision import coarse_log_prob_pair_error, logit_error, logsumexp_error, lse_error, sum_error
 
 pytestmark = pytest.mark.slow
 

@@ -4,14 +4,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from conftest import TINY
+from precision import coarse_kl_pair_error, logit_error, lse_error
+
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
 from fedopd.lora import increment
 from fedopd.rollout import HFRolloutEngine
 from fedopd.round import ClientModels, score_round, train_round
-from precision import coarse_kl_pair_error, logit_error, lse_error
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from client_messages import OVERRIDES, client_context, initial_theta, train
 
 from client_app.handlers import OPTIMIZER
-from client_messages import OVERRIDES, client_context, initial_theta, train
 from fedopd.config import parse_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]

@@ -50,9 +50,7 @@ def test_client_partitions_are_one_skill_group_each_and_disjoint():
 def test_prompts_render_the_instruction_with_the_chat_template():
     tok = load_causal_lm("builtin:tiny-student").tokenizer
     text = render_prompt(tok, "What is 2 + 3?")
-    assert text == (
-        "<|im_start|>user\nWhat is 2 + 3?\n" + INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    )
+    assert text == ("<|im_start|>user\nWhat is 2 + 3?\n" + INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_long_prompts_are_filtered_and_an_empty_set_is_refused():

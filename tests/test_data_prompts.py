@@ -16,8 +16,7 @@ SUBJECTS = ("algebra", "geometry", "number theory")
 
 def _rows(n=12, prefix="Q"):
     """n problems, subjects in turn, the answer as a solution that ends in \\boxed{}."""
-    return [{"question": f"{prefix}{i}: what is {i} + 1?", "solution": f"{i} + 1 = \\boxed{{{i + 1}}}", "subject": SUBJECTS[i % 3]}
-            for i in range(n)]
+    return [{"question": f"{prefix}{i}: what is {i} + 1?", "solution": f"{i} + 1 = \\boxed{{{i + 1}}}", "subject": SUBJECTS[i % 3]} for i in range(n)]
 
 
 def _write(path, rows):
@@ -36,8 +35,14 @@ def _write(path, rows):
 
 
 def _settings(path, **kw) -> DataSettings:
-    base = {"name": "prompts", "path": str(path), "partitioner": "iid", "problem_column": "question",
-            "answer_column": "solution", "partition_by": "subject"}
+    base = {
+        "name": "prompts",
+        "path": str(path),
+        "partitioner": "iid",
+        "problem_column": "question",
+        "answer_column": "solution",
+        "partition_by": "subject",
+    }
     return DataSettings(**{**base, **kw})
 
 
@@ -181,7 +186,10 @@ def test_an_eval_problem_that_is_also_a_training_problem_is_dropped(tmp_path):
     train = _write(tmp_path / "train.jsonl", _rows(6))
     held = _write(tmp_path / "held.jsonl", _rows(2) + _rows(3, prefix="H"))  # Q0, Q1 are training problems
     assert [r["problem"] for r in sorted(heldout_pool(_settings(train, eval_path=str(held))), key=lambda r: r["problem"])] == [
-        "H0: what is 0 + 1?", "H1: what is 1 + 1?", "H2: what is 2 + 1?"]
+        "H0: what is 0 + 1?",
+        "H1: what is 1 + 1?",
+        "H2: what is 2 + 1?",
+    ]
 
 
 def test_without_the_partition_by_column_held_out_problems_are_one_mix(tmp_path):
@@ -192,8 +200,9 @@ def test_without_the_partition_by_column_held_out_problems_are_one_mix(tmp_path)
 
 
 def test_the_config_refuses_groups_for_prompts_and_accepts_held_out_evaluation():
-    with pytest.raises(ConfigError, match="'data.partitioner' = 'groups' is not defined for 'data.name' = 'prompts'; "
-                                          "allowed: 'iid', 'dirichlet', 'natural'"):
+    with pytest.raises(
+        ConfigError, match="'data.partitioner' = 'groups' is not defined for 'data.name' = 'prompts'; allowed: 'iid', 'dirichlet', 'natural'"
+    ):
         parse_run_config({"data.name": "prompts", "data.path": "x.jsonl"})
     cfg = parse_run_config({"data.name": "prompts", "data.path": "x.jsonl", "data.partitioner": "iid", "eval.every": 4})
     assert cfg.data.partitioner == "iid"
@@ -203,8 +212,14 @@ def test_the_server_stops_before_round_one_on_a_bad_column_and_writes_nothing(tm
     from server_app.inprocess import run_in_process
 
     path = _write(tmp_path / "mine.jsonl", _rows())
-    config = {"data.name": "prompts", "data.path": str(path), "data.partitioner": "iid", "data.problem-column": "problem",
-              "data.answer-column": "solution", "output-dir": str(tmp_path / "runs")}
+    config = {
+        "data.name": "prompts",
+        "data.path": str(path),
+        "data.partitioner": "iid",
+        "data.problem-column": "problem",
+        "data.answer-column": "solution",
+        "output-dir": str(tmp_path / "runs"),
+    }
     with pytest.raises(ConfigError, match=r"data.problem-column.*mine.jsonl|mine.jsonl.*data.problem-column"):
         run_in_process(config)
     assert not (tmp_path / "runs").exists()
@@ -218,15 +233,29 @@ def test_a_run_on_your_own_prompts_with_dirichlet_clients_and_sampling(tmp_path)
     from server_app.inprocess import run_in_process
     from server_app.run_folder import read_rounds
 
-    rows = [{"question": r["problem"], "solution": r["solution"], "skill": r["group"]}
-            for g in task.GROUPS for r in task.problems(g, 40, seed=7)]
+    rows = [{"question": r["problem"], "solution": r["solution"], "skill": r["group"]} for g in task.GROUPS for r in task.problems(g, 40, seed=7)]
     path = _write(tmp_path / "mine.jsonl", rows)
-    config = {"data.name": "prompts", "data.path": str(path), "data.partitioner": "dirichlet", "data.partition-by": "skill",
-              "data.dirichlet-alpha": 0.5, "data.problem-column": "question", "data.answer-column": "solution",
-              "data.prompts-per-client": 16, "strategy.fraction-train": 0.5, "strategy.name": "fedtops",
-              "num-server-rounds": 2, "rollout.per-round": 4, "rollout.max-new-tokens": 32, "cache.rollouts": 2,
-              "eval.every": 2, "eval.prompts-per-client": 4, "eval.samples": 2, "eval.max-new-tokens": 32,
-              "output-dir": str(tmp_path / "runs")}
+    config = {
+        "data.name": "prompts",
+        "data.path": str(path),
+        "data.partitioner": "dirichlet",
+        "data.partition-by": "skill",
+        "data.dirichlet-alpha": 0.5,
+        "data.problem-column": "question",
+        "data.answer-column": "solution",
+        "data.prompts-per-client": 16,
+        "strategy.fraction-train": 0.5,
+        "strategy.name": "fedtops",
+        "num-server-rounds": 2,
+        "rollout.per-round": 4,
+        "rollout.max-new-tokens": 32,
+        "cache.rollouts": 2,
+        "eval.every": 2,
+        "eval.prompts-per-client": 4,
+        "eval.samples": 2,
+        "eval.max-new-tokens": 32,
+        "output-dir": str(tmp_path / "runs"),
+    }
     run = run_in_process(config, num_clients=4)
     rounds = read_rounds(run)
     for r in rounds[1:]:

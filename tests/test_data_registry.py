@@ -25,8 +25,15 @@ def test_the_registry_holds_the_built_in_prompt_sets_and_which_have_held_out_pro
 def test_a_registered_prompt_set_is_a_valid_data_name_and_feeds_the_clients(squares):
     from client_app.worker import setup
 
-    cfg = parse_run_config({"data.name": "squares", "data.prompts-per-client": 4, "eval.every": 0,
-                            "model.student": "builtin:tiny-student", "model.teacher": "builtin:tiny-teacher"})
+    cfg = parse_run_config(
+        {
+            "data.name": "squares",
+            "data.prompts-per-client": 4,
+            "eval.every": 0,
+            "model.student": "builtin:tiny-student",
+            "model.teacher": "builtin:tiny-teacher",
+        }
+    )
     _, prompts = setup(cfg, 1, 3)
     assert [p.problem for p in prompts] == [f"What is {k} squared?" for k in (4, 5, 6, 7)]
     assert [p.answer for p in prompts] == ["16", "25", "36", "49"]

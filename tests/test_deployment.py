@@ -160,7 +160,10 @@ def test_a_supernode_whose_key_was_not_registered_is_refused(tmp_path):
     log = open(tmp_path / "superlink.log", "w")
     superlink = subprocess.Popen(
         ["flower-superlink", *tls, "--enable-supernode-auth", "--host", "127.0.0.1", "--port", port],
-        env={**env, "FLWR_HOME": str(tmp_path / "sl")}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**env, "FLWR_HOME": str(tmp_path / "sl")},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     nodes = []
     try:
@@ -170,9 +173,25 @@ def test_a_supernode_whose_key_was_not_registered_is_refused(tmp_path):
         def supernode(i: int) -> subprocess.Popen:
             runtime = subprocess.run([sys.executable, str(TOOLS), "free-port"], capture_output=True, text=True, check=True).stdout.strip()
             p = subprocess.Popen(
-                ["flower-supernode", "--superlink", f"127.0.0.1:{port}", "--root-certificates", str(creds / "ca.crt"),
-                 "--auth-supernode-private-key", str(creds / f"supernode-{i}"), "--port", runtime, "--max-retries", "1", "--max-wait-time", "20"],
-                env={**env, "FLWR_HOME": str(tmp_path / f"sn{i}")}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [
+                    "flower-supernode",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--root-certificates",
+                    str(creds / "ca.crt"),
+                    "--auth-supernode-private-key",
+                    str(creds / f"supernode-{i}"),
+                    "--port",
+                    runtime,
+                    "--max-retries",
+                    "1",
+                    "--max-wait-time",
+                    "20",
+                ],
+                env={**env, "FLWR_HOME": str(tmp_path / f"sn{i}")},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
                 start_new_session=True,
             )
             nodes.append(p)

@@ -36,8 +36,15 @@ def workspace(tmp_path_factory):
     save_adapter(root / "run" / "round-001", arrays, student.lora_config)
     # A run folder for the selection figures.
     rounds = [
-        {"round": t, "strategy": "fedtops", "multiplier": a, "candidates": [0.5, 1.0, 2.0],
-         "teacher_scores": [0.3, 0.2, 0.2 - 0.01 * t], "change_scores": [[0.0, 0.01, 0.02 * t]], "fallback": False}
+        {
+            "round": t,
+            "strategy": "fedtops",
+            "multiplier": a,
+            "candidates": [0.5, 1.0, 2.0],
+            "teacher_scores": [0.3, 0.2, 0.2 - 0.01 * t],
+            "change_scores": [[0.0, 0.01, 0.02 * t]],
+            "fallback": False,
+        }
         for t, a in ((1, 2.0), (2, 2.0), (3, 1.0))
     ]
     (root / "run" / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
@@ -48,9 +55,23 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eval_output(workspace):
     return _run(
-        "eval.run", "--model", "builtin:tiny-student", "--base", "--adapter", str(workspace / "run" / "round-001"),
-        "--label", "trained", "--benchmark-file", f"tiny={workspace / 'tiny.jsonl'}", "--samples", "4",
-        "--max-new-tokens", "12", "--out", str(workspace / "results"), "--no-progress",
+        "eval.run",
+        "--model",
+        "builtin:tiny-student",
+        "--base",
+        "--adapter",
+        str(workspace / "run" / "round-001"),
+        "--label",
+        "trained",
+        "--benchmark-file",
+        f"tiny={workspace / 'tiny.jsonl'}",
+        "--samples",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(workspace / "results"),
+        "--no-progress",
     )
 
 
@@ -76,9 +97,15 @@ def test_eval_run_writes_graded_responses_and_a_summary(workspace, eval_output):
 def test_eval_report_writes_tables_and_figures(workspace, eval_output):
     report = workspace / "report"
     _run(
-        "eval.report", "--summary", f"Base={workspace / 'results' / 'base' / 'summary.json'}",
-        "--summary", f"Trained={workspace / 'results' / 'trained' / 'summary.json'}",
-        "--run", str(workspace / "run"), "--out", str(report),
+        "eval.report",
+        "--summary",
+        f"Base={workspace / 'results' / 'base' / 'summary.json'}",
+        "--summary",
+        f"Trained={workspace / 'results' / 'trained' / 'summary.json'}",
+        "--run",
+        str(workspace / "run"),
+        "--out",
+        str(report),
     )
     for metric in ("avg_at_k", "pass_at_k", "cap_hit"):
         for ext in ("md", "csv", "tex"):
@@ -125,8 +152,9 @@ def test_report_panels_share_one_colour_range(tmp_path):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"strategy.trust-budget": 0.05}))
-        rows = [{"round": 1, "candidates": [1.0, 3.0], "teacher_scores": [0.5, 0.5 + d], "change_scores": [[0.0, 0.01]],
-                 "multiplier": 1.0} for d in diffs]
+        rows = [
+            {"round": 1, "candidates": [1.0, 3.0], "teacher_scores": [0.5, 0.5 + d], "change_scores": [[0.0, 0.01]], "multiplier": 1.0} for d in diffs
+        ]
         (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return folder
 

@@ -54,8 +54,7 @@ def flwr(tmp_path_factory):
     # own keeps this test off any SuperLink that is already running (a user's, another test's).
     port = _free_port()
     home = tmp_path_factory.mktemp("flwr-home")
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
 
     def run(*run_config: str) -> subprocess.CompletedProcess:
         # Through the project's checked runner: flwr run's output, and an exit status that says

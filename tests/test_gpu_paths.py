@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from precision import U32, UBF16
 
 from fedopd.rollout import HFRolloutEngine, SamplingParams, make_rollout_engine
 from fedopd.rollout_vllm import request_seeds, vllm_available
-from precision import U32, UBF16
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
@@ -59,6 +59,7 @@ def test_vllm_engine_serves_each_new_adapter_fresh():
 @needs_cuda
 def test_client_round_on_cuda_with_the_hf_engine():
     from conftest import TINY
+
     from fedopd.config import parse_run_config
     from fedopd.data import encode_prompts, tiny_arith_partition
     from fedopd.lora import increment
@@ -71,9 +72,17 @@ def test_client_round_on_cuda_with_the_hf_engine():
     prompts = encode_prompts(models.student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
     theta = models.student.get_lora_arrays()
     out = train_round(
-        models, theta, prompts, rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
-        cache=cfg.cache, train=dataclasses.replace(cfg.train, exact_kl=True), server_round=1, seed=1, step_offset=0,
-        total_steps=2, teacher_batch=2,
+        models,
+        theta,
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
+        cache=cfg.cache,
+        train=dataclasses.replace(cfg.train, exact_kl=True),
+        server_round=1,
+        seed=1,
+        step_offset=0,
+        total_steps=2,
+        teacher_batch=2,
     )
     assert out.metrics["kl_after"] < out.metrics["kl_before"]
     j, k = score_round(models, theta, increment(out.arrays, theta), out.cache, [0.0, 1.0])

@@ -2,8 +2,8 @@
 
 from fedopd.config import EvalSettings
 from fedopd.data import Prompt
-from fedopd.rollout import RolloutEngine, Rollouts
 from fedopd.heldout import evaluate_heldout
+from fedopd.rollout import RolloutEngine, Rollouts
 from fedopd.round import ClientModels
 
 

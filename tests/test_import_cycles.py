@@ -85,8 +85,12 @@ def test_rollout_engines_and_model_errors_import_in_one_direction():
     assert "fedopd.rollout_types" in graph["fedopd.rollout_vllm"] and "fedopd.rollout" not in graph["fedopd.rollout_vllm"]
     assert "fedopd.models" not in graph["fedopd.tiny"] | graph["fedopd.sandbox"]
     found = cycles(graph)
-    assert not any({"fedopd.rollout", "fedopd.rollout_vllm"} <= set(c) or {"fedopd.models", "fedopd.tiny"} <= set(c)
-                   or {"fedopd.models", "fedopd.sandbox"} <= set(c) for c in found)
+    assert not any(
+        {"fedopd.rollout", "fedopd.rollout_vllm"} <= set(c)
+        or {"fedopd.models", "fedopd.tiny"} <= set(c)
+        or {"fedopd.models", "fedopd.sandbox"} <= set(c)
+        for c in found
+    )
 
 
 def test_no_import_cycle_beyond_the_known_ones():

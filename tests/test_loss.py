@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY
+from precision import U32, log_softmax_error, logsumexp_error, sum_error, token_kl_error
+
 from fedopd.config import ConfigError, parse_run_config
 from fedopd.loss import DIVERGENCES, forward_kl, jsd, reverse_kl
 from fedopd.opd import divergence_mean
-from precision import U32, log_softmax_error, logsumexp_error, sum_error, token_kl_error
 
 BETAS = (0.1, 0.5, 0.9)
 

@@ -9,18 +9,28 @@ client's ``context.state`` is lost before the message). A run in which no client
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 from flwr.app import Message
 
-from conftest import TINY
 from fedopd.config import parse_run_config
 from server_app.inprocess import FIRST_NODE_ID, InProcessGrid
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
 
 CONFIG = {
-    **TINY, "rollout.backend": "hf", "rollout.per-round": 8, "rollout.max-new-tokens": 16, "data.prompts-per-client": 16,
-    "train.mini-batch": 4, "train.micro-batch": 2, "num-server-rounds": 2, "eval.every": 0,
-    "strategy.name": "fedtops", "strategy.trust-budget": 0.01, "timeout.train": 1.0, "timeout.score": 1.0,
+    **TINY,
+    "rollout.backend": "hf",
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 16,
+    "data.prompts-per-client": 16,
+    "train.mini-batch": 4,
+    "train.micro-batch": 2,
+    "num-server-rounds": 2,
+    "eval.every": 0,
+    "strategy.name": "fedtops",
+    "strategy.trust-budget": 0.01,
+    "timeout.train": 1.0,
+    "timeout.score": 1.0,
 }
 
 
@@ -37,6 +47,7 @@ class FaultyGrid(InProcessGrid):
             for name in list(state.keys()):
                 del state[name]
         if fault == "raise":
+
             def broken(message, context):
                 raise RuntimeError("disk full")
 
@@ -158,8 +169,10 @@ def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_
 
     refusal = ModelLoadError("student 'a' and teacher 'b' must share a tokenizer: 12 token ids differ")
     called = _failing_train(monkeypatch, {1, 2}, refusal)
-    expected = ("no client returned a valid update in round 1: node 1001, 1002, 1003: "
-                "ModelLoadError: student 'a' and teacher 'b' must share a tokenizer: 12 token ids differ")
+    expected = (
+        "no client returned a valid update in round 1: node 1001, 1002, 1003: "
+        "ModelLoadError: student 'a' and teacher 'b' must share a tokenizer: 12 token ids differ"
+    )
     with pytest.raises(RunFailed) as raised:
         _run_folder(tmp_path, {})
     assert str(raised.value) == expected
@@ -182,8 +195,9 @@ def test_a_run_stops_failed_after_max_failed_rounds_consecutive_rounds_without_a
     assert [r["round"] for r in read_rounds(run)] == [1, 2, 3, 4] and max(called) == 4
     status = read_status(run)
     assert status["status"] == "failed" and status["rounds-done"] == 4
-    assert status["error"] == ("no client returned a valid update in 3 consecutive rounds (2-4); in round 4: "
-                               "node 1001, 1002, 1003: RuntimeError: disk full")
+    assert status["error"] == (
+        "no client returned a valid update in 3 consecutive rounds (2-4); in round 4: node 1001, 1002, 1003: RuntimeError: disk full"
+    )
 
 
 def test_one_round_without_an_update_after_round_one_is_held_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -15,12 +15,14 @@ def _rows():
     for s_index, subject in enumerate(SUBJECTS):
         for level in range(1, 6):
             for k in range(6 + 2 * level + s_index):  # unequal strata
-                rows.append({
-                    "problem": f"{subject} problem L{level} #{k}",
-                    "level": f"Level {level}",
-                    "type": subject,
-                    "solution": f"Work... so the answer is $\\boxed{{{s_index}{level}{k}}}$.",
-                })
+                rows.append(
+                    {
+                        "problem": f"{subject} problem L{level} #{k}",
+                        "level": f"Level {level}",
+                        "type": subject,
+                        "solution": f"Work... so the answer is $\\boxed{{{s_index}{level}{k}}}$.",
+                    }
+                )
     rows.append({"problem": "Algebra problem L1 #0", "level": "Level 1", "type": "Algebra", "solution": r"\boxed{999}"})  # duplicate
     rows.append({"problem": "  Algebra   problem L1 #1 ", "level": "Level 1", "type": "Algebra", "solution": r"\boxed{7}"})  # duplicate up to spaces
     rows.append({"problem": "No boxed answer", "level": "Level 2", "type": "Algebra", "solution": "The answer is 4."})

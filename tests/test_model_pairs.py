@@ -5,12 +5,12 @@ copy mirrors)."""
 import logging
 
 import pytest
+from model_fixtures import ENDOFTEXT, IM_END
 
 from fedopd.config import LoraSettings
 from fedopd.errors import ModelLoadError
 from fedopd.rollout import SamplingParams
 from fedopd.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
-from model_fixtures import ENDOFTEXT, IM_END
 
 pytestmark = pytest.mark.slow
 
@@ -137,8 +137,14 @@ def test_eval_run_stops_where_training_stops_when_given_the_teacher(model_copies
     assert evaluation_stop_tokens(model_copies["base-student"], None, "<|im_end|>").ids == (IM_END,)
 
 
-ONE_ROUND = {"num-server-rounds": 1, "eval.every": 0, "data.prompts-per-client": 16, "rollout.per-round": 8,
-             "rollout.max-new-tokens": 48, "cache.rollouts": 2}
+ONE_ROUND = {
+    "num-server-rounds": 1,
+    "eval.every": 0,
+    "data.prompts-per-client": 16,
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 48,
+    "cache.rollouts": 2,
+}
 
 
 def test_a_run_of_the_base_instruct_pair_records_its_resolved_stop_set_in_config_json(model_copies, tmp_path):
@@ -146,8 +152,9 @@ def test_a_run_of_the_base_instruct_pair_records_its_resolved_stop_set_in_config
 
     from server_app.inprocess import run_in_process
 
-    run = run_in_process({**ONE_ROUND, "output-dir": str(tmp_path), "model.student": model_copies["base-student"],
-                          "model.teacher": model_copies["instruct-teacher"]})
+    run = run_in_process(
+        {**ONE_ROUND, "output-dir": str(tmp_path), "model.student": model_copies["base-student"], "model.teacher": model_copies["instruct-teacher"]}
+    )
     config = json.loads((run / "config.json").read_text())
     assert config["rollout.stop-tokens"] == "auto"
     assert config["resolved"]["rollout.stop-tokens"] == {"ids": [ENDOFTEXT, IM_END], "tokens": ["<|endoftext|>", "<|im_end|>"]}
@@ -158,6 +165,12 @@ def test_a_pair_with_another_vocabulary_stops_the_run_before_anything_is_written
     from server_app.inprocess import run_in_process
 
     with pytest.raises(ModelLoadError, match="must share a vocabulary"):
-        run_in_process({**ONE_ROUND, "output-dir": str(tmp_path / "runs"), "model.student": model_copies["base-student"],
-                        "model.teacher": model_copies["other-vocab-teacher"]})
+        run_in_process(
+            {
+                **ONE_ROUND,
+                "output-dir": str(tmp_path / "runs"),
+                "model.student": model_copies["base-student"],
+                "model.teacher": model_copies["other-vocab-teacher"],
+            }
+        )
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from precision import PAIR, U32, U64, gradient_error, sum_error, token_kl_error
 
 from fedopd.config import TrainSettings
 from fedopd.opd import (
@@ -17,7 +18,6 @@ from fedopd.opd import (
     reverse_kl_sum_from_hidden,
     token_reverse_kl,
 )
-from precision import PAIR, U32, U64, gradient_error, sum_error, token_kl_error
 
 
 def _logits(*shape, seed=0):

@@ -2,15 +2,14 @@
 state. References are written out in the test (float64 or literal numbers).
 """
 
-
 import numpy as np
 import pytest
 import torch
+from precision import PAIR, U32, opd_gradient_error, opd_loss_error
 
 from fedopd.config import TrainSettings
 from fedopd.opd import load_optimizer_state, make_optimizer, minibatch_gradient, optimizer_step
 from fedopd.teacher import make_batch, teacher_hidden
-from precision import PAIR, U32, opd_gradient_error, opd_loss_error
 
 
 def test_adamw_step_uses_betas_weight_decay_clipping_and_the_stored_moments():
@@ -22,8 +21,7 @@ def test_adamw_step_uses_betas_weight_decay_clipping_and_the_stored_moments():
 
     w = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float32))
     opt = make_optimizer([w], settings)
-    load_optimizer_state(opt, {"0.step": np.array(1.0, np.float32), "0.exp_avg": m0.astype(np.float32),
-                               "0.exp_avg_sq": v0.astype(np.float32)})
+    load_optimizer_state(opt, {"0.step": np.array(1.0, np.float32), "0.exp_avg": m0.astype(np.float32), "0.exp_avg_sq": v0.astype(np.float32)})
     w.grad = torch.tensor(g, dtype=torch.float32)
     optimizer_step(opt, [w], lr, settings.grad_clip)
 

@@ -114,8 +114,11 @@ def test_natural_gives_one_partition_per_value_in_sorted_order():
 
 
 def test_natural_refuses_a_num_partitions_other_than_the_number_of_values():
-    with pytest.raises(ValueError, match=r"'natural' gives one partition per value of data.partition-by = 'group'.*"
-                                         r"has 3 \(addition, expression, multiplication\), but num-partitions is 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"'natural' gives one partition per value of data.partition-by = 'group'.*"
+        r"has 3 \(addition, expression, multiplication\), but num-partitions is 4",
+    ):
         _fresh_partitions(_sandbox(partitioner="natural", prompts_per_client=6), 4)
 
 
@@ -127,8 +130,11 @@ def test_a_partition_by_column_that_rows_lack_is_named():
 def test_a_sandbox_group_short_of_its_share_names_the_keys_and_the_capacity():
     capacity = sum(not task.is_heldout(f"Compute {c} * {b}.") for c in range(2, 10) for b in range(10, 100))
     # ppc 200 x 9 clients: ceil(1800 / 3) = 600 multiplication problems, more than there are
-    with pytest.raises(ValueError, match=rf"= 600 .* group 'multiplication' holds only {capacity}; lower "
-                                         rf"data.prompts-per-client \(at most {3 * capacity // 9} for num-partitions = 9\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"= 600 .* group 'multiplication' holds only {capacity}; lower "
+        rf"data.prompts-per-client \(at most {3 * capacity // 9} for num-partitions = 9\)",
+    ):
         _fresh_partitions(_sandbox(partitioner="iid", prompts_per_client=200), 9)
 
 
@@ -157,9 +163,11 @@ def test_groups_gives_exactly_the_set_s_own_partitions(tmp_path):
         assert data.DATASETS["sandbox"].heldout_rows(settings, pid, 5, 4) == task.client_heldout(pid, 5, 4)
         tiny = DataSettings(name="tiny-arith", prompts_per_client=12, seed=5)
         assert data.DATASETS["tiny-arith"].train_rows(tiny, pid, 5) == tiny_arith_partition(pid, 5, 12, 5)
-    rows = [{"problem": f"{s} #{k}", "level": "Level 1", "type": s, "solution": f"\\boxed{{{k}}}"}
-            for s in ("Prealgebra", "Algebra", "Number Theory", "Counting & Probability", "Intermediate Algebra", "Precalculus")
-            for k in range(8)]
+    rows = [
+        {"problem": f"{s} #{k}", "level": "Level 1", "type": s, "solution": f"\\boxed{{{k}}}"}
+        for s in ("Prealgebra", "Algebra", "Number Theory", "Counting & Probability", "Intermediate Algebra", "Precalculus")
+        for k in range(8)
+    ]
     path = tmp_path / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     math_settings = DataSettings(name="math", prompts_per_client=5, path=str(path), seed=1)
@@ -169,10 +177,15 @@ def test_groups_gives_exactly_the_set_s_own_partitions(tmp_path):
 
 def test_math_partitions_by_subject_beyond_groups(tmp_path):
     # 4 subjects x 3 problems, plus one without a boxed answer and one repeat: 12 clean rows
-    rows = [{"problem": f"{s} #{k}", "level": "Level 1", "type": s, "solution": f"\\boxed{{{k}}}"}
-            for s in ("Algebra", "Geometry", "Number Theory", "Prealgebra") for k in range(3)]
-    rows += [{"problem": "no answer", "level": "Level 1", "type": "Algebra", "solution": "4"},
-             {"problem": "Algebra  #0", "level": "Level 1", "type": "Algebra", "solution": "\\boxed{9}"}]
+    rows = [
+        {"problem": f"{s} #{k}", "level": "Level 1", "type": s, "solution": f"\\boxed{{{k}}}"}
+        for s in ("Algebra", "Geometry", "Number Theory", "Prealgebra")
+        for k in range(3)
+    ]
+    rows += [
+        {"problem": "no answer", "level": "Level 1", "type": "Algebra", "solution": "4"},
+        {"problem": "Algebra  #0", "level": "Level 1", "type": "Algebra", "solution": "\\boxed{9}"},
+    ]
     path = tmp_path / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     parts = _fresh_partitions(DataSettings(name="math", path=str(path), partitioner="natural", prompts_per_client=3), 4)
@@ -241,8 +254,10 @@ def test_describe_prints_each_partition_s_size_mix_and_held_out_counts(capsys):
     code = data.main(["describe", "-c", "data.partitioner='natural' data.prompts-per-client=4 eval.prompts-per-client=2"])
     assert code == 0
     assert capsys.readouterr().out.splitlines() == [
-        ("data.name = 'sandbox', data.partitioner = 'natural', data.partition-by = 'group', "
-         "data.prompts-per-client = 4, data.seed = 42: 3 partitions, 12 prompts"),
+        (
+            "data.name = 'sandbox', data.partitioner = 'natural', data.partition-by = 'group', "
+            "data.prompts-per-client = 4, data.seed = 42: 3 partitions, 12 prompts"
+        ),
         "partition 0: 4 prompts; group: addition 4 (100.0%)",
         "  held-out: 2 prompts; group: addition 2 (100.0%)",
         "partition 1: 4 prompts; group: expression 4 (100.0%)",

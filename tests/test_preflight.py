@@ -4,9 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from model_fixtures import QWEN3_0_6B, QWEN3_8B, architecture_only
 
 from fedopd.preflight import FAIL, OK, run_checks
-from model_fixtures import QWEN3_0_6B, QWEN3_8B, architecture_only
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,9 +60,15 @@ def test_the_paper_pair_needs_more_than_a_24_gib_card_and_fits_an_80_gib_one(tmp
     teacher = architecture_only("sandbox-teacher", tmp_path / "teacher", QWEN3_8B)
     from fedopd.presets import load_preset
 
-    overrides = {**load_preset(REPO / "configs" / "paper-0.6b-1x.toml"), "model.student": str(student),
-                 "model.teacher": str(teacher), "data.name": "sandbox", "data.prompts-per-client": 32,
-                 "rollout.backend": "hf", "eval.every": 0}
+    overrides = {
+        **load_preset(REPO / "configs" / "paper-0.6b-1x.toml"),
+        "model.student": str(student),
+        "model.teacher": str(teacher),
+        "data.name": "sandbox",
+        "data.prompts-per-client": 32,
+        "rollout.backend": "hf",
+        "eval.every": 0,
+    }
     [row] = _failures(run_checks(overrides, gpu_free_gib=24.0))
     assert row.check == "GPU memory" and "= 25.0 GiB of 24.0 GiB free: too little GPU memory" in row.detail
     assert "teacher weights 15.26, student weights + LoRA + AdamW 1.21, loss chunk 4.06, student activations 2.11, teacher pass 1.59" in row.detail
@@ -71,12 +77,23 @@ def test_the_paper_pair_needs_more_than_a_24_gib_card_and_fits_an_80_gib_one(tmp
 
 
 def test_the_command_exits_non_zero_on_a_problem_and_zero_when_all_pass(model_copies):
-    ok = subprocess.run([sys.executable, "-m", "fedopd.preflight", "--run-config",
-                         f"model.student='{model_copies['base-student']}' model.teacher='{model_copies['instruct-teacher']}'"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedopd.preflight",
+            "--run-config",
+            f"model.student='{model_copies['base-student']}' model.teacher='{model_copies['instruct-teacher']}'",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0 and ok.stdout.rstrip().endswith("preflight: passed"), ok.stdout + ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "fedopd.preflight", "--run-config", "data.max-prompt-tokens=10"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "fedopd.preflight", "--run-config", "data.max-prompt-tokens=10"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 1 and "FAILED" in bad.stdout
 
 

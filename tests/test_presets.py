@@ -8,7 +8,11 @@ from fedopd.config import parse_run_config
 from fedopd.presets import app_defaults, load_preset, main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-PRESETS = {"paper-0.6b-1x": ("Qwen/Qwen3-0.6B-Base", 3e-6), "paper-0.6b-3x": ("Qwen/Qwen3-0.6B-Base", 9e-6), "paper-1.7b": ("Qwen/Qwen3-1.7B-Base", 3e-6)}
+PRESETS = {
+    "paper-0.6b-1x": ("Qwen/Qwen3-0.6B-Base", 3e-6),
+    "paper-0.6b-3x": ("Qwen/Qwen3-0.6B-Base", 9e-6),
+    "paper-1.7b": ("Qwen/Qwen3-1.7B-Base", 3e-6),
+}
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

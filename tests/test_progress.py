@@ -11,18 +11,40 @@ from server_app.run_status import folder_status
 
 RECORDS = [
     {"round": 0, "strategy": "fedtops", "evaluation": {"accuracy": 38.5, "avg@8": 21.9, "pass@8": 57.3, "clients": []}},
-    {"round": 1, "strategy": "fedtops", "multiplier": 3.0, "candidates": [0.5, 1.0, 3.0], "teacher_scores": [0.3, 0.2, 0.1],
-     "seconds": 4.5, "clients": [{"loss": 0.5, "loss_first": 0.6, "loss_last": 0.4}, {"loss": 0.3, "loss_first": 0.2, "loss_last": 0.2}]},
-    {"round": 2, "strategy": "fedtops", "multiplier": 0.0, "candidates": [0.5, 1.0, 3.0], "teacher_scores": [0.3, 0.2, 0.1],
-     "seconds": 4.0, "clients": [{"loss": 0.4, "loss_first": 0.5, "loss_last": 0.3}],
-     "evaluation": {"accuracy": 40.6, "avg@8": 23.0, "pass@8": 60.0, "clients": []}},
+    {
+        "round": 1,
+        "strategy": "fedtops",
+        "multiplier": 3.0,
+        "candidates": [0.5, 1.0, 3.0],
+        "teacher_scores": [0.3, 0.2, 0.1],
+        "seconds": 4.5,
+        "clients": [{"loss": 0.5, "loss_first": 0.6, "loss_last": 0.4}, {"loss": 0.3, "loss_first": 0.2, "loss_last": 0.2}],
+    },
+    {
+        "round": 2,
+        "strategy": "fedtops",
+        "multiplier": 0.0,
+        "candidates": [0.5, 1.0, 3.0],
+        "teacher_scores": [0.3, 0.2, 0.1],
+        "seconds": 4.0,
+        "clients": [{"loss": 0.4, "loss_first": 0.5, "loss_last": 0.3}],
+        "evaluation": {"accuracy": 40.6, "avg@8": 23.0, "pass@8": 60.0, "clients": []},
+    },
 ]
 
 
 def test_round_scalars_are_the_client_means_the_selected_score_and_the_evaluation():
     s = round_scalars(RECORDS[1])
-    assert s == pytest.approx({"clients/loss": 0.4, "clients/loss_first": 0.4, "clients/loss_last": 0.3,
-                               "server/multiplier": 3.0, "server/teacher_score_selected": 0.1, "server/round_seconds": 4.5})
+    assert s == pytest.approx(
+        {
+            "clients/loss": 0.4,
+            "clients/loss_first": 0.4,
+            "clients/loss_last": 0.3,
+            "server/multiplier": 3.0,
+            "server/teacher_score_selected": 0.1,
+            "server/round_seconds": 4.5,
+        }
+    )
     assert round_scalars(RECORDS[0]) == {"heldout/greedy": 38.5, "heldout/avg@8": 21.9, "heldout/pass@8": 57.3}
     # a = 0 (hold) is not among the candidates: no selected score, but the multiplier is kept
     assert round_scalars(RECORDS[2])["server/multiplier"] == 0.0 and "server/teacher_score_selected" not in round_scalars(RECORDS[2])
@@ -68,8 +90,9 @@ def test_tensorboard_gets_the_same_scalars_one_step_per_round(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("server/multiplier")] == [(1, 3.0), (2, 0.0)]
 
 
-@pytest.mark.parametrize("state, code", [({"status": "completed"}, 0), ({"status": "failed", "error": "X: y"}, 1),
-                                         ({"status": "running", "rounds-done": 3}, 3), (None, 3)])
+@pytest.mark.parametrize(
+    "state, code", [({"status": "completed"}, 0), ({"status": "failed", "error": "X: y"}, 1), ({"status": "running", "rounds-done": 3}, 3), (None, 3)]
+)
 def test_run_status_exit_codes(tmp_path, state, code):
     (tmp_path / "config.json").write_text("{}")
     if state is not None:
@@ -87,9 +110,21 @@ def test_a_reply_becomes_one_progress_line(task_identity):
     from server_app.log_lines import reply_summary
 
     request = Message(RecordDict(), dst_node_id=7, message_type="train")
-    metrics = {"partition-id": 2, "rollout_s": 1.25, "response_length": 61.4, "cap_hit_rate": 0.03125, "accuracy": 0.4375,
-               "teacher_s": 0.4, "cache_s": 0.031, "cache_teacher_score": 0.1, "steps": 8, "opd_s": 0.61,
-               "loss_first": 0.41234, "loss_last": 0.38761, "total_s": 2.3}
+    metrics = {
+        "partition-id": 2,
+        "rollout_s": 1.25,
+        "response_length": 61.4,
+        "cap_hit_rate": 0.03125,
+        "accuracy": 0.4375,
+        "teacher_s": 0.4,
+        "cache_s": 0.031,
+        "cache_teacher_score": 0.1,
+        "steps": 8,
+        "opd_s": 0.61,
+        "loss_first": 0.41234,
+        "loss_last": 0.38761,
+        "total_s": 2.3,
+    }
     reply = Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=request)
     assert reply_summary(reply) == (
         "  client 2 trained: 1.2 s rollouts (mean 61 tokens, cap-hit 3%, reward 44%) | teacher 0.4 s | cache 0.03 s"
@@ -100,9 +135,20 @@ def test_a_reply_becomes_one_progress_line(task_identity):
 def test_a_round_whose_multiplier_was_capped_says_so_in_its_line():
     from server_app.log_lines import round_summary
 
-    record = {"round": 2, "strategy": "fedtops", "multiplier": 1.0, "selected-multiplier": 10.0, "multiplier-cap": 1.0,
-              "unscored-node-ids": [1002], "candidates": [1.0, 10.0], "teacher_scores": [0.2, 0.1], "num-feasible": 2,
-              "excluded": [{"node-id": 1002, "reason": "score: error reply: x"}], "clients": [], "seconds": 3.0}
+    record = {
+        "round": 2,
+        "strategy": "fedtops",
+        "multiplier": 1.0,
+        "selected-multiplier": 10.0,
+        "multiplier-cap": 1.0,
+        "unscored-node-ids": [1002],
+        "candidates": [1.0, 10.0],
+        "teacher_scores": [0.2, 0.1],
+        "num-feasible": 2,
+        "excluded": [{"node-id": 1002, "reason": "score: error reply: x"}],
+        "clients": [],
+        "seconds": 3.0,
+    }
     assert round_summary(record, 4) == (
         "round 2/4 [fedtops] a = 1 | J(a) = 0.2000 | feasible 2/2 | client loss - | 3.0 s"
         " (capped at 1, selected 10: no valid scores from node 1002) (1 excluded)"
@@ -114,8 +160,15 @@ def test_a_round_whose_multiplier_was_capped_says_so_in_its_line():
 def test_the_aggregation_error_is_a_scalar_in_percent_and_part_of_the_round_line():
     from server_app.log_lines import round_summary
 
-    record = {"round": 3, "strategy": "fixed", "multiplier": 3.0, "clients": [], "seconds": 1.0,
-              "aggregation-error": 0.0671, "aggregation-error-applied": 0.254}
+    record = {
+        "round": 3,
+        "strategy": "fixed",
+        "multiplier": 3.0,
+        "clients": [],
+        "seconds": 1.0,
+        "aggregation-error": 0.0671,
+        "aggregation-error-applied": 0.254,
+    }
     s = round_scalars(record)
     assert s["server/aggregation_error"] == pytest.approx(6.71) and s["server/aggregation_error_applied"] == pytest.approx(25.4)
     assert "| factor-average error 6.71% (applied 25.40%) |" in round_summary(record, 4)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import TINY
 
 from client_app import resident
 from client_app.resident import NAMESPACE, check_authentication
-from conftest import TINY
 from fedopd.config import parse_run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,8 +107,10 @@ def test_the_opt_out_accepts_an_unauthenticated_instance_with_a_warning(fake_gcs
     gcs = fake_gcs(token=None)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         assert check_authentication(gcs.address, insecure=True) == "disabled"
-    assert any(r.levelno == logging.WARNING and "ray-insecure = true" in r.getMessage() and "WITHOUT authentication" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and "ray-insecure = true" in r.getMessage() and "WITHOUT authentication" in r.getMessage()
+        for r in caplog.records
+    )
     with pytest.raises(RuntimeError, match="runs without authentication"):  # the opt-out is not remembered for others
         check_authentication(gcs.address)
 
@@ -178,10 +180,28 @@ def _start_head(root: Path, token: bool) -> tuple[subprocess.Popen, dict]:
     with open(root / "ray.log", "w") as log:
         head = subprocess.Popen(
             # --num-cpus 0: the resident worker takes no CPU, and Ray starts no idle workers.
-            ["ray", "start", "--head", "--block", "--include-dashboard=false", "--disable-usage-stats", "--num-cpus", "0",
-             "--port", port, "--ray-client-server-port", _free_port(), "--dashboard-agent-listen-port", _free_port(),
-             "--temp-dir", str(root / "t")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                "ray",
+                "start",
+                "--head",
+                "--block",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                "--num-cpus",
+                "0",
+                "--port",
+                port,
+                "--ray-client-server-port",
+                _free_port(),
+                "--dashboard-agent-listen-port",
+                _free_port(),
+                "--temp-dir",
+                str(root / "t"),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     return head, {"address": f"127.0.0.1:{port}", "env": env, "root": root}
 
@@ -232,8 +252,9 @@ def ray_heads():
 
 
 def _python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 STRANGER = """
@@ -251,13 +272,16 @@ def test_only_a_process_with_the_token_can_reach_the_resident_worker(ray_heads, 
     ray_token = ray_heads["token"]
     address = ray_token["address"]
     # The worker, started as a SuperNode's ClientApp would: with RAY_AUTH_MODE and the token file.
-    owner = _python(f"""
+    owner = _python(
+        f"""
         import json, ray
         from client_app.resident import get_worker, list_workers
         worker = get_worker({RUN!r}, {{"worker": "resident", "worker-name": "auth", "ray-address": {address!r}}})
         assert ray.get(worker.__ray_ready__.remote())
         print(json.dumps({{"name": list_workers()[0], "id": worker._actor_id.hex()}}))
-    """, ray_token["env"])
+    """,
+        ray_token["env"],
+    )
     assert owner.returncode == 0, owner.stderr[-3000:]
     worker = json.loads(owner.stdout.strip().splitlines()[-1])
 
@@ -266,8 +290,9 @@ def test_only_a_process_with_the_token_can_reach_the_resident_worker(ray_heads, 
     code = textwrap.dedent(STRANGER.format(address=address, namespace=NAMESPACE, name=worker["name"]))
     patience = {"RAY_NUM_REDIS_GET_RETRIES": "2"}
     envs = [_clean_env(tmp_path, **patience), _clean_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, **patience)]
-    strangers = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for env in envs]
+    strangers = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs
+    ]
     for stranger in strangers:
         out, err = stranger.communicate(timeout=120)
         assert stranger.returncode != 0 and "CALLED" not in out

@@ -3,8 +3,8 @@ process (:class:`server_app.inprocess.InProcessGrid`), with every message record
 
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from fedopd.config import parse_run_config
 from fedopd.lora import from_record
 from fedopd.models import load_adapter
@@ -14,9 +14,18 @@ from server_app.run_folder import read_rounds
 pytestmark = pytest.mark.slow
 
 SMALL = {
-    **TINY, "data.name": "sandbox", "num-server-rounds": 2, "data.prompts-per-client": 16, "rollout.per-round": 8,
-    "rollout.max-new-tokens": 12, "train.mini-batch": 4, "train.micro-batch": 4, "eval.every": 1,
-    "eval.prompts-per-client": 3, "eval.samples": 2, "eval.max-new-tokens": 8,
+    **TINY,
+    "data.name": "sandbox",
+    "num-server-rounds": 2,
+    "data.prompts-per-client": 16,
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 12,
+    "train.mini-batch": 4,
+    "train.micro-batch": 4,
+    "eval.every": 1,
+    "eval.prompts-per-client": 3,
+    "eval.samples": 2,
+    "eval.max-new-tokens": 8,
 }
 
 

@@ -10,10 +10,10 @@ import os
 
 import numpy as np
 import pytest
+from conftest import TINY
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
 from client_app.resident import actor_name, worker_identity
-from conftest import TINY
 from fedopd.config import parse_run_config
 
 OVERRIDES = {**TINY, "rollout.backend": "hf", "rollout.max-new-tokens": 8, "rollout.per-round": 8, "data.prompts-per-client": 16}
@@ -25,9 +25,17 @@ def _name(**changes) -> str:
 
 @pytest.mark.parametrize(
     "key, value",
-    [("model.student", "builtin:tiny-teacher"), ("model.teacher", "builtin:tiny-student"), ("model.dtype", "bfloat16"),
-     ("lora.rank", 4), ("lora.alpha", 8.0), ("rollout.backend", "vllm"), ("rollout.max-new-tokens", 512), ("data.max-prompt-tokens", 1024),
-     ("rollout.gpu-memory-utilization", 0.5)],
+    [
+        ("model.student", "builtin:tiny-teacher"),
+        ("model.teacher", "builtin:tiny-student"),
+        ("model.dtype", "bfloat16"),
+        ("lora.rank", 4),
+        ("lora.alpha", 8.0),
+        ("rollout.backend", "vllm"),
+        ("rollout.max-new-tokens", 512),
+        ("data.max-prompt-tokens", 1024),
+        ("rollout.gpu-memory-utilization", 0.5),
+    ],
 )
 def test_worker_identity_changes_with_what_the_models_depend_on(key, value):
     assert _name(**{key: value}) != _name()
@@ -82,10 +90,18 @@ def ray_instance():
 
 
 def _message(theta, server_round):
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in theta.items()}),
-                          "config": ConfigRecord({"server-round": server_round})})
-    meta = Metadata(run_id=1, message_id=f"m{server_round}", src_node_id=0, dst_node_id=7, reply_to_message_id="",
-                    group_id=str(server_round), created_at=0.0, ttl=600.0, message_type="train")
+    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in theta.items()}), "config": ConfigRecord({"server-round": server_round})})
+    meta = Metadata(
+        run_id=1,
+        message_id=f"m{server_round}",
+        src_node_id=0,
+        dst_node_id=7,
+        reply_to_message_id="",
+        group_id=str(server_round),
+        created_at=0.0,
+        ttl=600.0,
+        message_type="train",
+    )
     return Message(content=content, metadata=meta)
 
 

@@ -8,15 +8,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY
+
 from fedopd.config import ConfigError, parse_run_config
 from server_app.run_folder import complete_rounds, config_mismatch
 
 BASE = {
     **TINY,
-    "rollout.backend": "hf", "rollout.per-round": 8, "rollout.max-new-tokens": 16, "data.prompts-per-client": 16,
-    "train.mini-batch": 4, "train.micro-batch": 2, "num-server-rounds": 4, "eval.every": 0,
+    "rollout.backend": "hf",
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 16,
+    "data.prompts-per-client": 16,
+    "train.mini-batch": 4,
+    "train.micro-batch": 2,
+    "num-server-rounds": 4,
+    "eval.every": 0,
 }
 STRATEGIES = {
     "fedtops": {"strategy.name": "fedtops", "strategy.trust-budget": 0.01},
@@ -25,8 +31,23 @@ STRATEGIES = {
     "local": {"strategy.name": "local"},
 }
 # ... and the bytes sent: the train config carries the run folder's path (and, once, resume-round)
-TIMING = {"seconds", "eval_seconds", "score_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s", "train_s",
-          "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb", "communication"}
+TIMING = {
+    "seconds",
+    "eval_seconds",
+    "score_seconds",
+    "rollout_s",
+    "grade_s",
+    "cache_s",
+    "opd_s",
+    "total_s",
+    "teacher_s",
+    "train_s",
+    "worker-pid",
+    "worker-model-loads",
+    "worker-rss-mb",
+    "server-rss-mb",
+    "communication",
+}
 
 
 def _without_timings(value):
@@ -66,7 +87,7 @@ def _run_stopped_in_round(config: dict, stop_round: int) -> Path:
         run_server(grid, cfg)
     [run] = [p.parent for p in Path(cfg.output_dir).glob("*/config.json")]
     with open(run / "rounds.jsonl", "a") as f:
-        f.write('{"round": %d, "multipl' % stop_round)
+        f.write(f'{{"round": {stop_round}, "multipl')
     shutil.copytree(run / f"round-{stop_round - 1:03d}", run / f"round-{stop_round:03d}")
     return run
 
@@ -211,8 +232,7 @@ def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=Non
 
     def fake_train_round(models, theta, prompts, **kwargs):
         given.update(theta=theta, optimizer_state=kwargs["optimizer_state"])
-        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={},
-                               optimizer_state={"step": np.array([kwargs["server_round"]], np.int64)})
+        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={"step": np.array([kwargs["server_round"]], np.int64)})
 
     monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
@@ -224,8 +244,9 @@ def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=Non
 
     logger, handler = logging.getLogger("flwr"), Lines()
     logger.addHandler(handler)
-    config = ConfigRecord({"server-round": server_round, "run-dir": str(tmp_path / "run"), "learner": learner,
-                           "build-scoring-cache": False, **(extra_config or {})})
+    config = ConfigRecord(
+        {"server-round": server_round, "run-dir": str(tmp_path / "run"), "learner": learner, "build-scoring-cache": False, **(extra_config or {})}
+    )
     content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
     cfg = parse_run_config(BASE)
     try:

@@ -91,4 +91,4 @@ def test_temperature_zero_is_greedy_decoding(tiny_pair):
     with torch.no_grad():  # argmax continuation, token by token
         for _ in range(len(a)):
             ids.append(int(student.causal_lm(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert a == b == ids[len(prompt):]
+    assert a == b == ids[len(prompt) :]

@@ -11,15 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
-import fedopd.cache as cache_module
 from conftest import TINY
-from fedopd.cache import build_scoring_cache, score_candidates
-from fedopd.config import CacheSettings, parse_run_config
-from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.opd import micro_batches, minibatch_gradient, make_micro_batches, teacher_pass, use_packing
-from fedopd.rollout import HFRolloutEngine, Rollouts
-from fedopd.round import ClientModels, train_round
 from precision import (
     PAIR,
     U32,
@@ -32,6 +24,14 @@ from precision import (
     opd_loss_error,
     sum_error,
 )
+
+import fedopd.cache as cache_module
+from fedopd.cache import build_scoring_cache, score_candidates
+from fedopd.config import CacheSettings, parse_run_config
+from fedopd.data import encode_prompts, tiny_arith_partition
+from fedopd.opd import make_micro_batches, micro_batches, minibatch_gradient, teacher_pass, use_packing
+from fedopd.rollout import HFRolloutEngine, Rollouts
+from fedopd.round import ClientModels, train_round
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +83,17 @@ def _round(student, teacher, train_overrides, monkeypatch, build_cache=True):
 
     monkeypatch.setattr(models.rollout, "generate", generate_then_count)
     out = train_round(
-        models, theta, prompts, rollout=rollout, cache=CacheSettings(rollouts=4, positions=4, top_k=4),
+        models,
+        theta,
+        prompts,
+        rollout=rollout,
+        cache=CacheSettings(rollouts=4, positions=4, top_k=4),
         train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=2, **train_overrides),
-        server_round=1, seed=42, step_offset=0, total_steps=4, build_cache=build_cache,
+        server_round=1,
+        seed=42,
+        step_offset=0,
+        total_steps=4,
+        build_cache=build_cache,
     )
     return out, counts["student"], counts["teacher"]
 
@@ -269,9 +277,17 @@ def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeyp
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
     lines = []
     train_round(
-        models, student.get_lora_arrays(), prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
-        cache=CacheSettings(rollouts=2, positions=4, top_k=4), train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
-        server_round=3, seed=1, step_offset=0, total_steps=4, progress=lines.append,
+        models,
+        student.get_lora_arrays(),
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
+        cache=CacheSettings(rollouts=2, positions=4, top_k=4),
+        train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
+        server_round=3,
+        seed=1,
+        step_offset=0,
+        total_steps=4,
+        progress=lines.append,
     )
     assert [line.split(":")[0] for line in lines] == ["round 3"] * len(lines)
     phases = [line for line in lines if not line.startswith("round 3: generating")]
@@ -287,8 +303,16 @@ def test_a_short_round_reports_nothing(tiny_pair):
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
     lines = []
     train_round(
-        models, student.get_lora_arrays(), prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
-        cache=CacheSettings(rollouts=2, positions=4, top_k=4), train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
-        server_round=3, seed=1, step_offset=0, total_steps=4, progress=lines.append,
+        models,
+        student.get_lora_arrays(),
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
+        cache=CacheSettings(rollouts=2, positions=4, top_k=4),
+        train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
+        server_round=3,
+        seed=1,
+        step_offset=0,
+        total_steps=4,
+        progress=lines.append,
     )
     assert lines == []

@@ -139,14 +139,21 @@ def test_the_centralized_learner_takes_pooled_clients_times_the_rollouts_per_rou
     seen = {}
 
     def fake_train_round(models, theta, prompts, **kwargs):
-        seen.update(per_round=kwargs["rollout"].per_round, total_steps=kwargs["total_steps"],
-                    step_offset=kwargs["step_offset"])
+        seen.update(per_round=kwargs["rollout"].per_round, total_steps=kwargs["total_steps"], step_offset=kwargs["step_offset"])
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={})
 
     monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
-    cfg = parse_run_config({"rollout.per-round": 8, "train.mini-batch": 4, "train.micro-batch": 4,
-                            "num-server-rounds": 4, "train.optimizer-state": "reset", "cache.rollouts": 4})
+    cfg = parse_run_config(
+        {
+            "rollout.per-round": 8,
+            "train.mini-batch": 4,
+            "train.micro-batch": 4,
+            "num-server-rounds": 4,
+            "train.optimizer-state": "reset",
+            "cache.rollouts": 4,
+        }
+    )
     config = ConfigRecord({"server-round": 2, "learner": "centralized", "build-scoring-cache": False, POOLED_CLIENTS: 2})
     content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
     handlers.train(content, RecordDict(), 0, 12, cfg)

@@ -15,10 +15,16 @@ def _row(method, lr, seed, acc, a=None):
 
 
 def test_the_table_shows_mean_and_sample_sd_over_seeds_with_the_best_per_learning_rate_in_bold():
-    rows = [_row("fedavg", 1e-3, 0, 30.0), _row("fedavg", 1e-3, 1, 34.0),
-            _row("fedtops", 1e-3, 0, 40.0, 5.0), _row("fedtops", 1e-3, 1, 41.0, 3.0),
-            _row("fedavg", 1e-2, 0, 50.0), _row("fedavg", 1e-2, 1, 52.0),
-            _row("fedtops", 1e-2, 0, 45.0, 1.0), _row("fedtops", 1e-2, 1, 46.0, 2.0)]
+    rows = [
+        _row("fedavg", 1e-3, 0, 30.0),
+        _row("fedavg", 1e-3, 1, 34.0),
+        _row("fedtops", 1e-3, 0, 40.0, 5.0),
+        _row("fedtops", 1e-3, 1, 41.0, 3.0),
+        _row("fedavg", 1e-2, 0, 50.0),
+        _row("fedavg", 1e-2, 1, 52.0),
+        _row("fedtops", 1e-2, 0, 45.0, 1.0),
+        _row("fedtops", 1e-2, 1, 46.0, 2.0),
+    ]
     text = sandbox.table(rows, "accuracy", "t")
     # fedavg at 1e-3: mean 32, sd sqrt(((30-32)^2 + (34-32)^2) / 1) = 2.83
     assert "| FedAvg | 32.0 ± 2.8 | **51.0 ± 1.4** |" in text
@@ -132,14 +138,32 @@ def test_a_result_row_counts_infeasible_rounds_per_candidate_and_averages_the_ag
     rounds = [
         {"round": 0, "evaluation": {"accuracy": 10.0, "avg@8": 5.0, "pass@8": 20.0}},
         # δ = 0.1: round 1 only a = 3 infeasible (0.2 > 0.1 for the second client)
-        {"round": 1, "multiplier": 1.0, "candidates": cands, "change_scores": [[0.0, 0.01, 0.05], [0.0, 0.02, 0.2]],
-         "aggregation-error": 0.1, "aggregation-error-applied": 0.1},
+        {
+            "round": 1,
+            "multiplier": 1.0,
+            "candidates": cands,
+            "change_scores": [[0.0, 0.01, 0.05], [0.0, 0.02, 0.2]],
+            "aggregation-error": 0.1,
+            "aggregation-error-applied": 0.1,
+        },
         # round 2: everything infeasible, a hold; no applied error
-        {"round": 2, "multiplier": 0.0, "candidates": cands, "change_scores": [[0.3, 0.4, 0.5]],
-         "aggregation-error": 0.3, "aggregation-error-applied": None},
-        {"round": 3, "multiplier": 0.5, "candidates": cands, "change_scores": [[0.1, 0.2, 0.3]],
-         "aggregation-error": 0.2, "aggregation-error-applied": 0.4,
-         "evaluation": {"accuracy": 40.0, "avg@8": 30.0, "pass@8": 60.0}},
+        {
+            "round": 2,
+            "multiplier": 0.0,
+            "candidates": cands,
+            "change_scores": [[0.3, 0.4, 0.5]],
+            "aggregation-error": 0.3,
+            "aggregation-error-applied": None,
+        },
+        {
+            "round": 3,
+            "multiplier": 0.5,
+            "candidates": cands,
+            "change_scores": [[0.1, 0.2, 0.3]],
+            "aggregation-error": 0.2,
+            "aggregation-error-applied": 0.4,
+            "evaluation": {"accuracy": 40.0, "avg@8": 30.0, "pass@8": 60.0},
+        },
     ]
     row = sandbox.result_row("fedtops-d0.1", 3e-3, 0, _write_run(tmp_path / "run", config, rounds))
     assert row["infeasible_rounds"] == [1, 2, 3] and row["scored_rounds"] == 3 and row["held_rounds"] == 1

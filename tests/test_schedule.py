@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from client_messages import LR, OVERRIDES, client_context, initial_theta, train
+
 from fedopd.config import parse_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from precision import U64, kl_error, logsumexp_error, sum_error
 
 from fedopd.cache import ScoringCache, candidate_scores, coarsen, coarsen_logits, kl
-from precision import U64, kl_error, logsumexp_error, sum_error
 
 Q = [0.7, 0.2, 0.1]  # q̃: the teacher, coarsened
 P0 = [0.5, 0.3, 0.2]  # π̃_t: the starting student
@@ -81,10 +81,12 @@ def test_coarsening_from_logits_equals_coarsening_the_full_softmax():
     ids = torch.tensor([[1, 3, -1], [4, -1, -1]])
     p = torch.softmax(logits.double(), -1)
     # By hand: retained probabilities at the ids (0 at padding) and the unrenormalized tail.
-    expected = torch.stack([
-        torch.stack([p[0, 1], p[0, 3], torch.tensor(0.0, dtype=torch.float64), 1 - p[0, 1] - p[0, 3]]),
-        torch.tensor([0.2, 0.0, 0.0, 0.8], dtype=torch.float64),
-    ])
+    expected = torch.stack(
+        [
+            torch.stack([p[0, 1], p[0, 3], torch.tensor(0.0, dtype=torch.float64), 1 - p[0, 1] - p[0, 3]]),
+            torch.tensor([0.2, 0.0, 0.0, 0.8], dtype=torch.float64),
+        ]
+    )
     out = coarsen_logits(logits, ids)
     assert out.dtype == torch.float64
     # coarsen_logits: exp(z − T) in float64 with T the fp32 logsumexp (error ε), the tail

@@ -10,7 +10,6 @@ import re
 
 import numpy as np
 import pytest
-
 from conftest import TINY
 
 pytestmark = pytest.mark.slow
@@ -23,10 +22,9 @@ STRATEGIES = {
 
 
 def _apps(overrides):
+    from flwr.app import Context
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
-
-    from flwr.app import Context
 
     from client_app.app import score, train
     from fedopd.config import parse_run_config
@@ -37,8 +35,9 @@ def _apps(overrides):
 
     def with_run_config(context):
         """The client's context as Flower's runtime builds it for a FAB with this run config."""
-        return Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
-                       state=context.state, run_config=cfg.to_run_config())
+        return Context(
+            run_id=context.run_id, node_id=context.node_id, node_config=context.node_config, state=context.state, run_config=cfg.to_run_config()
+        )
 
     @server.main()
     def _main(grid, context):

@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import TINY
+from precision import U32, coarse_kl_pair_error, logit_error, lse_error
+
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
 from fedopd.rollout import HFRolloutEngine
 from fedopd.round import ClientModels, train_round
-from precision import U32, coarse_kl_pair_error, logit_error, lse_error
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,18 @@ def test_rollouts_come_from_the_source_and_training_starts_from_theta(tiny_pair)
     source = {k: v + 0.5 for k, v in theta.items()}
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 8, 1), 2048)
     out = train_round(
-        models, theta, prompts, rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6), cache=cfg.cache,
-        train=dataclasses.replace(cfg.train, lr=1e-9, mini_batch=4, micro_batch=4), server_round=1, seed=0,
-        step_offset=0, total_steps=1, build_cache=False, source=source,
+        models,
+        theta,
+        prompts,
+        rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
+        cache=cfg.cache,
+        train=dataclasses.replace(cfg.train, lr=1e-9, mini_batch=4, micro_batch=4),
+        server_round=1,
+        seed=0,
+        step_offset=0,
+        total_steps=1,
+        build_cache=False,
+        source=source,
     )
     assert all(np.array_equal(engine.used[k], source[k]) for k in theta)  # fp32 factors are copied bit-exactly
     # One AdamW step at lr = 1e-9 from θ, not from the source (0.5 away): the first Adam step is
@@ -54,11 +63,24 @@ def test_source_swap_runs_on_a_run_folder_and_reports_paired_differences(tmp_pat
     from server_app.app import run_server
     from server_app.inprocess import InProcessGrid, task_identity
 
-    cfg = parse_run_config({
-        **TINY, "data.name": "sandbox", "strategy.name": "fixed", "strategy.multiplier": 2.0, "num-server-rounds": 2,
-        "data.prompts-per-client": 8, "rollout.per-round": 4, "rollout.max-new-tokens": 8, "train.mini-batch": 4,
-        "eval.every": 0, "eval.prompts-per-client": 3, "eval.samples": 2, "eval.max-new-tokens": 6, "output-dir": str(tmp_path),
-    })
+    cfg = parse_run_config(
+        {
+            **TINY,
+            "data.name": "sandbox",
+            "strategy.name": "fixed",
+            "strategy.multiplier": 2.0,
+            "num-server-rounds": 2,
+            "data.prompts-per-client": 8,
+            "rollout.per-round": 4,
+            "rollout.max-new-tokens": 8,
+            "train.mini-batch": 4,
+            "eval.every": 0,
+            "eval.prompts-per-client": 3,
+            "eval.samples": 2,
+            "eval.max-new-tokens": 6,
+            "output-dir": str(tmp_path),
+        }
+    )
     with task_identity():
         run = run_server(InProcessGrid(app, cfg.to_run_config(), 3), cfg)
     assert main([str(run), "--round", "2", "--receiver-rounds", "1", "--bootstrap", "100", "--out", str(tmp_path / "swap")]) == 0
@@ -74,16 +96,26 @@ def test_source_swap_runs_on_a_run_folder_and_reports_paired_differences(tmp_pat
 
 
 def test_a_source_is_at_distance_zero_from_itself(tmp_path):
+    from client_app.app import app
     from eval.source_swap import recover_increment, source_distance
     from fedopd.lora import load_adapter
     from server_app.app import run_server
     from server_app.inprocess import InProcessGrid, task_identity
-    from client_app.app import app
 
-    cfg = parse_run_config({
-        **TINY, "data.name": "sandbox", "strategy.name": "fedavg", "num-server-rounds": 1, "data.prompts-per-client": 8,
-        "rollout.per-round": 4, "rollout.max-new-tokens": 8, "train.mini-batch": 4, "eval.every": 0, "output-dir": str(tmp_path),
-    })
+    cfg = parse_run_config(
+        {
+            **TINY,
+            "data.name": "sandbox",
+            "strategy.name": "fedavg",
+            "num-server-rounds": 1,
+            "data.prompts-per-client": 8,
+            "rollout.per-round": 4,
+            "rollout.max-new-tokens": 8,
+            "train.mini-batch": 4,
+            "eval.every": 0,
+            "output-dir": str(tmp_path),
+        }
+    )
     with task_identity():
         run = run_server(InProcessGrid(app, cfg.to_run_config(), 3), cfg)
         theta = load_adapter(run / "round-000")

@@ -43,14 +43,25 @@ class FakeGrid:
             phase, how = self.lost.get(node, (None, None))
             if phase == msg.metadata.message_type:
                 if how == "superlink":
-                    meta = Metadata(run_id=1, message_id=f"e{len(self.sent)}", src_node_id=1, dst_node_id=1,
-                                    reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
-                                    message_type=phase)
+                    meta = Metadata(
+                        run_id=1,
+                        message_id=f"e{len(self.sent)}",
+                        src_node_id=1,
+                        dst_node_id=1,
+                        reply_to_message_id=msg.metadata.message_id,
+                        group_id="",
+                        created_at=0.0,
+                        ttl=60.0,
+                        message_type=phase,
+                    )
                     replies.append(Message(Error(code=5, reason="Error: Node Unavailable"), metadata=meta))
                 continue
             if msg.metadata.message_type == "train":
                 content = RecordDict(
-                    {"arrays": _record(self.updates[node]), "metrics": MetricRecord({"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5})}
+                    {
+                        "arrays": _record(self.updates[node]),
+                        "metrics": MetricRecord({"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5}),
+                    }
                 )
             elif node in self.scores:
                 j, k = self.scores[node]
@@ -58,8 +69,14 @@ class FakeGrid:
             else:
                 continue  # this node does not answer
             meta = Metadata(
-                run_id=1, message_id=f"r{len(self.sent)}", src_node_id=node, dst_node_id=0,
-                reply_to_message_id=msg.metadata.message_id, group_id="", created_at=0.0, ttl=60.0,
+                run_id=1,
+                message_id=f"r{len(self.sent)}",
+                src_node_id=node,
+                dst_node_id=0,
+                reply_to_message_id=msg.metadata.message_id,
+                group_id="",
+                created_at=0.0,
+                ttl=60.0,
                 message_type=msg.metadata.message_type,
             )
             replies.append(Message(content=content, metadata=meta))
@@ -209,8 +226,12 @@ def test_a_score_a_rounding_error_below_zero_is_clamped_and_the_client_kept():
 
 @pytest.mark.parametrize(
     "bad, reason",
-    [(-1e-3, "negative beyond rounding"), (float("nan"), "not a finite number"),
-     (float("inf"), "not a finite number"), (float("-inf"), "not a finite number")],
+    [
+        (-1e-3, "negative beyond rounding"),
+        (float("nan"), "not a finite number"),
+        (float("inf"), "not a finite number"),
+        (float("-inf"), "not a finite number"),
+    ],
 )
 def test_a_clearly_negative_or_non_finite_score_invalidates_that_reply(bad, reason):
     scores = {
@@ -271,11 +292,15 @@ def test_clients_lost_in_train_are_recorded_under_their_own_node_and_the_rest_ar
     ]
 
 
-@pytest.mark.parametrize("how, reason", [("silent", "score: no reply before the timeout"), ("superlink", "score: error reply: Error: Node Unavailable")])
+@pytest.mark.parametrize(
+    "how, reason", [("silent", "score: no reply before the timeout"), ("superlink", "score: error reply: Error: Node Unavailable")]
+)
 def test_a_client_lost_in_the_score_query_is_recorded_and_fedtops_selects_over_the_others(how, reason):
     # Node 1 alone allows a = 5 (its Ĵ falls to 0.1 and K̂ stays within δ up to a = 5).
-    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.0, 0.01, 0.02, 0.03, 0.3]),
-              2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.9, 0.9, 0.9, 0.9, 0.9])}
+    scores = {
+        1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.0, 0.01, 0.02, 0.03, 0.3]),
+        2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.9, 0.9, 0.9, 0.9, 0.9]),
+    }
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
     _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost={2: ("query.score", how)}))
     record = strategy.records[1]
@@ -318,8 +343,13 @@ def test_fedtops_aggregate_train_sends_nothing_and_keeps_the_weighted_increment(
 
 @pytest.mark.parametrize(
     "strategy, learner, cache",
-    [("fedtops", "federated", True), ("fedavg", "federated", False), ("fixed", "federated", False),
-     ("local", "local", False), ("centralized", "centralized", False)],
+    [
+        ("fedtops", "federated", True),
+        ("fedavg", "federated", False),
+        ("fixed", "federated", False),
+        ("local", "local", False),
+        ("centralized", "centralized", False),
+    ],
 )
 def test_the_train_message_says_what_the_client_learns_from_and_whether_it_builds_a_scoring_cache(strategy, learner, cache):
     settings = StrategySettings(name=strategy, multiplier=3.0)
@@ -362,8 +392,17 @@ def test_a_score_reply_without_a_positive_finite_weight_is_left_out(weight):
     from fedtops_strategy.fedtops import parse_score_reply
 
     content = RecordDict({"scores": MetricRecord({"teacher-scores": [0.1] * 2, "change-scores": [0.0] * 2, "num-examples": weight})})
-    meta = Metadata(run_id=1, message_id="x", src_node_id=3, dst_node_id=0, reply_to_message_id="", group_id="",
-                    created_at=0.0, ttl=60.0, message_type="query.score")
+    meta = Metadata(
+        run_id=1,
+        message_id="x",
+        src_node_id=3,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id="",
+        created_at=0.0,
+        ttl=60.0,
+        message_type="query.score",
+    )
     problem, parsed = parse_score_reply(Message(content=content, metadata=meta), 2)
     assert parsed is None and "'num-examples'" in problem
 

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import TINY
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from conftest import TINY
 from fedopd.config import parse_run_config
 from fedopd.lora import apply_increment, from_record, increment
 from fedtops_strategy.screening import ReplyScreening
 
 SMALL = {
-    **TINY, "num-server-rounds": 2, "data.prompts-per-client": 16, "rollout.per-round": 8, "rollout.max-new-tokens": 12,
-    "train.mini-batch": 4, "train.micro-batch": 4,
+    **TINY,
+    "num-server-rounds": 2,
+    "data.prompts-per-client": 16,
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 12,
+    "train.mini-batch": 4,
+    "train.micro-batch": 4,
 }
 
 
@@ -113,8 +118,9 @@ def _client_train(monkeypatch, message_config, **overrides):
     monkeypatch.setattr(handlers.worker, "setup", fake_setup)
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     cfg = parse_run_config({**SMALL, **overrides})
-    content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}),
-                          "config": ConfigRecord({"server-round": 1, **message_config})})
+    content = RecordDict(
+        {"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": ConfigRecord({"server-round": 1, **message_config})}
+    )
     handlers.train(content, RecordDict(), 0, 3, cfg)
     return given, folders
 
@@ -129,8 +135,7 @@ def test_the_message_not_the_strategy_name_decides_whether_the_client_builds_a_s
 def test_a_centralized_learner_message_pools_every_partition_whatever_the_strategy_name(monkeypatch, half_step):
     from fedopd.round import derive_seed
 
-    given, folders = _client_train(monkeypatch, {"learner": "centralized", "build-scoring-cache": False},
-                                   **{"strategy.name": half_step})
+    given, folders = _client_train(monkeypatch, {"learner": "centralized", "build-scoring-cache": False}, **{"strategy.name": half_step})
     assert given["pooled"] is True
     assert given["rollout"].per_round == 3 * 8  # the three clients' rollouts, the same mini-batch of 4
     assert given["total_steps"] == 2 * 6  # 6 steps a round over 2 rounds

@@ -1,9 +1,9 @@
 """The paper's solvable construction reproduces its table, clock derivatives and scaling scores."""
 
 import pytest
+from precision import U64
 
 from eval.theory import clock_derivatives, construction_scores, main, safe_multiplier_bound, scaled_score
-from precision import U64
 
 # Paper, App. "Numerical illustration", Table 'construction'.
 TABLE = {
@@ -34,8 +34,9 @@ def test_clock_derivative_split(eta, direct, mediated):
 def test_clock_derivative_matches_finite_differences_of_the_clock():
     import math
 
-    from eval.theory import fedavg_sources, s_factor
     import numpy as np
+
+    from eval.theory import fedavg_sources, s_factor
 
     h, w = np.array([1.0, 9.0]), np.array([0.5, 0.5])
 

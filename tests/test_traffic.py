@@ -60,8 +60,9 @@ def _pushed(messages):
 
 
 def test_phase_traffic_is_per_node_sorted_and_a_node_without_reply_received_nothing():
-    sent = _pushed([Message(RecordDict({"arrays": _arrays(n)}), dst_node_id=node, message_type="train")
-                    for node, n in ((30, 10), (10, 20), (20, 30))])
+    sent = _pushed(
+        [Message(RecordDict({"arrays": _arrays(n)}), dst_node_id=node, message_type="train") for node, n in ((30, 10), (10, 20), (20, 30))]
+    )
     reply_10 = Message(RecordDict({"m": MetricRecord({"x": 1.0})}), reply_to=sent[1])
     error_30 = Message(Error(code=2, reason="x"), reply_to=sent[0])
     got = phase_traffic(sent, [error_30, reply_10])  # node 20 did not reply
@@ -92,11 +93,12 @@ def test_a_round_totals_its_phases_and_a_run_its_rounds():
     assert list(communication) == ["train", "score", "evaluate", "sent", "received"]
     assert (communication["sent"], communication["received"]) == (100 + 100 + 120 + 110 + 110, 90 + 7 + 5 + 5)
     assert round_communication({"train": train}) == {"train": train, "sent": 200, "received": 90}
-    records = [{"round": 0, "communication": round_communication({"evaluate": evaluate})},
-               {"round": 1, "communication": communication}, {"round": 2}]
+    records = [{"round": 0, "communication": round_communication({"evaluate": evaluate})}, {"round": 1, "communication": communication}, {"round": 2}]
     assert run_traffic(records) == {
-        "evaluate": {"sent": 440, "received": 20}, "train": {"sent": 200, "received": 90},
-        "score": {"sent": 120, "received": 7}, "total": {"sent": 760, "received": 117},
+        "evaluate": {"sent": 440, "received": 20},
+        "train": {"sent": 200, "received": 90},
+        "score": {"sent": 120, "received": 7},
+        "total": {"sent": 760, "received": 117},
     }
     assert run_traffic([{"round": 1}]) == {}
 
@@ -188,8 +190,14 @@ def test_the_round_line_and_the_run_summary_show_the_bytes(tmp_path):
     score = [{"node-id": 1, "sent": 2_000_000, "received": 300}]
     records = [
         {"round": 0, "strategy": "fedtops", "communication": round_communication({"evaluate": evaluate})},
-        {"round": 1, "strategy": "fedtops", "multiplier": 1.0, "seconds": 2.0, "clients": [],
-         "communication": round_communication({"train": train, "score": score})},
+        {
+            "round": 1,
+            "strategy": "fedtops",
+            "multiplier": 1.0,
+            "seconds": 2.0,
+            "clients": [],
+            "communication": round_communication({"train": train, "score": score}),
+        },
     ]
     assert round_summary(records[0], 1).endswith("initial adapter | 2.00 MB sent, 700 B received")
     assert "| 4.00 MB sent, 2.00 MB received | 2.0 s" in round_summary(records[1], 1)
@@ -219,7 +227,17 @@ def test_the_figure_plots_the_cumulative_bytes(tmp_path):
 
 def test_human_bytes():
     assert [human_bytes(n) for n in (0, 999, 1000, 51_234, 999_499, 3_470_000, 12_345_678, 250e6, 1.25e9, 2.5e12)] == [
-        "0 B", "999 B", "1.00 kB", "51.2 kB", "999 kB", "3.47 MB", "12.3 MB", "250 MB", "1.25 GB", "2500 GB"]
+        "0 B",
+        "999 B",
+        "1.00 kB",
+        "51.2 kB",
+        "999 kB",
+        "3.47 MB",
+        "12.3 MB",
+        "250 MB",
+        "1.25 GB",
+        "2500 GB",
+    ]
 
 
 @pytest.mark.slow
@@ -227,14 +245,25 @@ def test_a_run_records_each_phase_per_client_with_the_adapter_in_every_message(t
     """FedTOPS, 3 clients, 1 round, evaluated in rounds 0 and 1: every phase's bytes per client in
     the round records, as large as the adapter's factors wherever the adapter travels."""
     from conftest import TINY
+
     from fedopd.models import load_adapter
     from server_app.inprocess import run_in_process
     from server_app.run_folder import read_rounds
 
     config = {
-        **TINY, "data.name": "sandbox", "num-server-rounds": 1, "data.prompts-per-client": 8, "rollout.per-round": 4,
-        "rollout.max-new-tokens": 8, "train.mini-batch": 4, "train.micro-batch": 4, "eval.every": 1,
-        "eval.prompts-per-client": 2, "eval.samples": 1, "eval.max-new-tokens": 4, "strategy.name": "fedtops",
+        **TINY,
+        "data.name": "sandbox",
+        "num-server-rounds": 1,
+        "data.prompts-per-client": 8,
+        "rollout.per-round": 4,
+        "rollout.max-new-tokens": 8,
+        "train.mini-batch": 4,
+        "train.micro-batch": 4,
+        "eval.every": 1,
+        "eval.prompts-per-client": 2,
+        "eval.samples": 1,
+        "eval.max-new-tokens": 4,
+        "strategy.name": "fedtops",
     }
     run = run_in_process({**config, "output-dir": str(tmp_path)})
     zero, one = read_rounds(run)

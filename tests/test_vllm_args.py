@@ -20,7 +20,6 @@ from fedopd.rollout_vllm import (
     vllm_lora_rank,
 )
 
-
 # --- LoRA rank: vllm/config/lora.py MaxLoRARanks ---------------------------------------------
 
 
@@ -182,8 +181,7 @@ class _FakeVLLM:
             def generate(self, prompts, sampling, *, lora_request, use_tqdm):
                 fake.calls.append((prompts, sampling, lora_request))
                 return [
-                    types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=t, finish_reason=f, stop_reason=None)])
-                    for t, f in fake.script
+                    types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=t, finish_reason=f, stop_reason=None)]) for t, f in fake.script
                 ]
 
         class LoRARequest:
@@ -212,8 +210,15 @@ def test_engine_hands_vllm_the_built_arguments(monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, name, module)
     names = ["a.lora_A.weight", "a.lora_B.weight"]
     engine = VLLMRolloutEngine(
-        "/models/student", names, lora_config(LoraSettings(rank=4, target_modules=("q_proj",))),
-        max_model_len=128, gpu_memory_utilization=0.2, dtype="bfloat16", seed=5, stop_token_ids=(2, 9), workdir=tmp_path,
+        "/models/student",
+        names,
+        lora_config(LoraSettings(rank=4, target_modules=("q_proj",))),
+        max_model_len=128,
+        gpu_memory_utilization=0.2,
+        dtype="bfloat16",
+        seed=5,
+        stop_token_ids=(2, 9),
+        workdir=tmp_path,
     )
     assert fake.llm_kwargs["max_lora_rank"] == 8 and fake.llm_kwargs["generation_config"] == "vllm"
     arrays = {"a.lora_A.weight": np.zeros((4, 8), np.float32), "a.lora_B.weight": np.zeros((8, 4), np.float32)}
@@ -250,8 +255,14 @@ def test_real_vllm_engine_on_the_sandbox_student():
     student = attach_lora(load_causal_lm(name), LoraSettings(rank=4, alpha=8.0), seed=0)  # rank 4 -> max_lora_rank 8
     stop = sorted({int(student.tokenizer.eos_token_id)})
     engine = VLLMRolloutEngine(
-        resolve_model_path(name), student.lora_names(), student.lora_config,
-        max_model_len=256, gpu_memory_utilization=0.2, dtype="bfloat16", seed=0, stop_token_ids=stop,
+        resolve_model_path(name),
+        student.lora_names(),
+        student.lora_config,
+        max_model_len=256,
+        gpu_memory_utilization=0.2,
+        dtype="bfloat16",
+        seed=0,
+        stop_token_ids=stop,
     )
     try:
         arrays = student.get_lora_arrays()

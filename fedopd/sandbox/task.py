@@ -20,8 +20,8 @@ problems are seen by no training of any kind.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 

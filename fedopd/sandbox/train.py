@@ -35,6 +35,7 @@ import torch
 from fedopd.sandbox import MODELS_DIR
 from fedopd.sandbox.task import GROUPS, problems
 from fedopd.tiny import CHAT_TEMPLATE, TinySpec, build_model
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 TEACHER = TinySpec(192, 4, 4, 2, 48, 512, True, 0.02, seed=11, max_positions=512)
@@ -47,9 +48,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -118,7 +117,15 @@ def lr_scale(step: int, steps: int, warmup: int, schedule: str = "cosine") -> fl
 
 
 def sft(
-    model, data: dict[str, list], *, steps: int, batch: int, lr: float, warmup: int, seed: int, log_every: int = 100,
+    model,
+    data: dict[str, list],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup: int,
+    seed: int,
+    log_every: int = 100,
     schedule: str = "cosine",
 ):
     """AdamW at ``lr`` times :func:`lr_scale`; batches draw a group, then a problem, uniformly."""
@@ -174,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--student-lr", type=float, default=1e-3, help="the student's learning rate after warmup")
-    p.add_argument("--student-schedule", choices=SCHEDULES, default="constant",
-                   help="after warmup: cosine to 0, or constant (a student left mid-training)")
+    p.add_argument(
+        "--student-schedule", choices=SCHEDULES, default="constant", help="after warmup: cosine to 0, or constant (a student left mid-training)"
+    )
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems per group for the record")
     p.add_argument("--only", choices=("teacher", "student"), help="retrain one model (the tokenizer must exist)")
     args = p.parse_args(argv)
@@ -213,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         is_student = name == "sandbox-student"
         lr = args.student_lr if is_student else args.lr
         schedule = args.student_schedule if is_student else "cosine"
-        seconds = sft(model, data, steps=steps, batch=args.batch, lr=lr, warmup=min(50, steps // 5), seed=args.seed + spec.seed,
-                      schedule=schedule)
+        seconds = sft(model, data, steps=steps, batch=args.batch, lr=lr, warmup=min(50, steps // 5), seed=args.seed + spec.seed, schedule=schedule)
         target = args.out / name
         model.to(torch.bfloat16).save_pretrained(target)
         tokenizer.save_pretrained(target)
@@ -223,9 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         record[name] = {
             "architecture": asdict(spec),
             "parameters": params,
-            "sft": {"steps": steps, "batch": args.batch, "lr": lr,
-                    "schedule": "linear warmup min(50, steps/5), " + ("cosine to 0" if schedule == "cosine" else "then constant"),
-                    "optimizer": "AdamW betas (0.9, 0.98), weight decay 0.01, grad clip 1.0", "seconds": round(seconds, 1)},
+            "sft": {
+                "steps": steps,
+                "batch": args.batch,
+                "lr": lr,
+                "schedule": "linear warmup min(50, steps/5), " + ("cosine to 0" if schedule == "cosine" else "then constant"),
+                "optimizer": "AdamW betas (0.9, 0.98), weight decay 0.01, grad clip 1.0",
+                "seconds": round(seconds, 1),
+            },
             "stored_dtype": "bfloat16",
             "heldout_greedy_accuracy": {g: round(a, 1) for g, a in accuracy.items()},
             "heldout_problems_per_group": args.eval_problems,

@@ -17,17 +17,36 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-TIMING = {"seconds", "eval_seconds", "score_seconds", "rollout_s", "grade_s", "cache_s", "opd_s", "total_s", "teacher_s",
-          "train_s", "eval_s", "score_s", "worker-pid", "worker-model-loads", "worker-rss-mb", "server-rss-mb",
-          "communication"}  # message sizes include the run folder's path, which differs between runs
+TIMING = {
+    "seconds",
+    "eval_seconds",
+    "score_seconds",
+    "rollout_s",
+    "grade_s",
+    "cache_s",
+    "opd_s",
+    "total_s",
+    "teacher_s",
+    "train_s",
+    "eval_s",
+    "score_s",
+    "worker-pid",
+    "worker-model-loads",
+    "worker-rss-mb",
+    "server-rss-mb",
+    "communication",
+}  # message sizes include the run folder's path, which differs between runs
 
 
 def platform_key() -> dict[str, str]:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    cpu = (
+        next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "unknown")
+        if Path("/proc/cpuinfo").exists()
+        else "unknown"
+    )
     return {"cpu": cpu, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
@@ -47,10 +66,7 @@ def preset_overrides(preset: str) -> dict:
 
 def fingerprint(run: Path) -> dict:
     """Adapter hashes by path and the round records without timings."""
-    adapters = {
-        str(p.parent.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(run.rglob("adapter_model.safetensors"))
-    }
+    adapters = {str(p.parent.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(run.rglob("adapter_model.safetensors"))}
     records = [without_timings(json.loads(line)) for line in (run / "rounds.jsonl").read_text().splitlines()]
     return {"adapters": adapters, "records": records}
 
