@@ -12,7 +12,7 @@ cross-entropy on the sampled tokens. ``lora``: rank ``--rank``, alpha 2 x rank o
 projection (the method's adapter); ``full``: every weight. Sequences are sampled at temperature 1
 from the teacher or from the student being trained (on-policy). Held-out greedy accuracy and Avg@8
 (the run's evaluation) are printed at rounds 0, 2, 4, 6, 8. A plain loop written out here, not the
-app's: with ``--loss rkl --params lora`` it reproduces the app's learner (README, "The sandbox").
+app's: with ``--loss rkl --params lora`` it reproduces the app's learner (docs/sandbox.md, "The sandbox").
 Single-threaded; about a minute per call on a CPU.
 """
 
