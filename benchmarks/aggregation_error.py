@@ -48,7 +48,7 @@ def main() -> None:
     print(f"adapter: {sum(v.size for v in theta.values()):,} parameters, {args.clients} clients")
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        aggregation_errors(theta, clients, [1.0] * args.clients, clients[0], 2.0)
+        aggregation_errors(theta, clients, [1.0] * args.clients, 2.0)
         print(f"aggregation_errors: {time.perf_counter() - t0:.2f} s")
 
 

@@ -155,11 +155,57 @@ def _combination_norm(gram: np.ndarray, coefficients: Sequence[float]) -> float:
     return float(np.sqrt(max(float(c @ gram @ c), 0.0)))  # ≥ 0 up to float64 rounding
 
 
+def aggregation_gram(theta: Mapping[str, np.ndarray], clients: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]) -> np.ndarray:
+    """The Gram matrix of the n + 3 product terms that the round's aggregation errors combine.
+
+    With w_i the normalised weights, B̄ = Σ_i w_i B_i, Ā = Σ_i w_i A_i, ΔB = B̄ − B_t and ΔA = Ā − A_t,
+    the terms are (B_i − B̄)(A_i − Ā) for each client i, then ΔB ΔA, ΔB A_t and B_t ΔA. Every
+    quantity :func:`aggregation_errors_from_gram` needs is a short combination of them:
+
+    * Σ_i w_i B_i A_i − B̄Ā = C, with C = Σ_i w_i (B_i − B̄)(A_i − Ā) (the cross terms vanish since
+      Σ_i w_i (B_i − B̄) = 0);
+    * Σ_i w_i B_i A_i − B_t A_t = C + ΔB ΔA + ΔB A_t + B_t ΔA.
+
+    Built from differences of factors, not of products, so nothing of size ‖BA‖ cancels: the
+    errors keep float64's relative precision however small the update is next to θ_t (taking
+    cᵀMc over the products themselves loses digits in proportion to ‖BA‖² / ‖error‖²).
+    """
+    if not clients or len(clients) != len(weights):
+        raise ValueError("aggregation_errors: one weight per client, at least one client")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError("aggregation_errors: weights must be positive")
+    w = w / w.sum()
+    t = {k: np.asarray(v, dtype=np.float64) for k, v in theta.items()}
+    cs = [{k: np.asarray(c[k], dtype=np.float64) for k in t} for c in clients]
+    mean = {k: sum(wi * c[k] for wi, c in zip(w, cs)) for k in t}
+    delta = {k: mean[k] - t[k] for k in t}
+    modules = lora_modules(list(t))
+
+    def product(b_from: Mapping[str, np.ndarray], a_from: Mapping[str, np.ndarray]) -> Named:  # the factors of B·A, per module
+        return {n: f[n] for a_name, b_name in modules for n, f in ((a_name, a_from), (b_name, b_from))}
+
+    terms = [{k: c[k] - mean[k] for k in t} for c in cs] + [product(delta, delta), product(delta, t), product(t, delta)]
+    return product_gram(terms)
+
+
+def aggregation_errors_from_gram(gram: np.ndarray, weights: Sequence[float], multiplier: float | None = None) -> dict[str, float | None]:
+    """``mean`` and ``applied`` of :func:`aggregation_errors` from :func:`aggregation_gram` (cheap:
+    a strategy builds the Gram once per round and evaluates any multiplier from it)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    change = _combination_norm(gram, [*w, 1.0, 1.0, 1.0])
+    error = _combination_norm(gram, [*w, 0.0, 0.0, 0.0])
+    out: dict[str, float | None] = {"mean": error / change if change > 0 else None, "applied": None}
+    if multiplier is not None and float(multiplier) != 0.0 and change > 0:
+        out["applied"] = _combination_norm(gram, [*w, 1.0 - float(multiplier), 0.0, 0.0]) / change
+    return out
+
+
 def aggregation_errors(
     theta: Mapping[str, np.ndarray],
     clients: Sequence[Mapping[str, np.ndarray]],
     weights: Sequence[float],
-    applied: Mapping[str, np.ndarray] | None = None,
     multiplier: float | None = None,
 ) -> dict[str, float | None]:
     """What averaging the LoRA factors separately costs in this round, over all LoRA modules.
@@ -169,30 +215,14 @@ def aggregation_errors(
     * ``mean``: ‖Σ_i w_i P_i − B̄Ā‖_F / ‖Σ_i w_i P_i − P_t‖_F, where B̄ = Σ_i w_i B_i and Ā = Σ_i w_i A_i
       (the error of the average of the products that FedAvg's factor average makes, relative to
       the update that averaging the products would make);
-    * ``applied``: the same for the adapter actually applied, θ_t + aΔ_t (``applied``, a =
-      ``multiplier``), against the target P_t + a(Σ_i w_i P_i − P_t): ‖P_t + a(Σ_i w_i P_i − P_t) −
-      B'A'‖_F / ‖a(Σ_i w_i P_i − P_t)‖_F. At a = 1 it is ``mean``.
+    * ``applied``: the same for the adapter θ_t + aΔ_t applied at a = ``multiplier``, whose factors
+      are B' = B_t + a(B̄ − B_t), A' = A_t + a(Ā − A_t), against the target P_t + a(Σ_i w_i P_i − P_t):
+      ‖P_t + a(Σ_i w_i P_i − P_t) − B'A'‖_F / ‖a(Σ_i w_i P_i − P_t)‖_F. Expanding, the numerator is
+      |a| ‖C + (1 − a) ΔB ΔA‖_F (:func:`aggregation_gram`), so at a = 1 it is ``mean``. B'A' is
+      taken in exact arithmetic: the fp32 rounding of the stored adapter (~1e-7 relative) is not
+      an error of the aggregation.
 
-    None where the denominator is 0 (no client moved the product, or a = 0). Computed from r × r
-    Gram matrices (:func:`product_gram`).
+    None where the denominator is 0 (no client moved the product, or a = 0, or no multiplier
+    given). Computed from r × r Gram matrices, never forming a d_out × d_in product.
     """
-    if not clients or len(clients) != len(weights):
-        raise ValueError("aggregation_errors: one weight per client, at least one client")
-    w = np.asarray(weights, dtype=np.float64)
-    if not np.all(np.isfinite(w)) or np.any(w <= 0):
-        raise ValueError("aggregation_errors: weights must be positive")
-    w = w / w.sum()
-    mean = {k: sum(wi * np.asarray(c[k], dtype=np.float64) for wi, c in zip(w, clients)) for k in theta}
-    sets = [theta, *clients, mean] + ([applied] if applied is not None else [])
-    gram = product_gram(sets)
-    change = _combination_norm(gram, [-1.0, *w, 0.0] + ([0.0] if applied is not None else []))
-    error = _combination_norm(gram, [0.0, *w, -1.0] + ([0.0] if applied is not None else []))
-    out: dict[str, float | None] = {"mean": error / change if change > 0 else None, "applied": None}
-    if applied is not None:
-        if multiplier is None:
-            raise ValueError("aggregation_errors: an applied adapter needs its multiplier")
-        a = float(multiplier)
-        target_error = _combination_norm(gram, [1.0 - a, *(a * w), 0.0, -1.0])
-        scale = abs(a) * change
-        out["applied"] = target_error / scale if scale > 0 else None
-    return out
+    return aggregation_errors_from_gram(aggregation_gram(theta, clients, weights), weights, multiplier)

@@ -162,7 +162,7 @@ class FedTOPS(ReplyScreening, FedAvg):
         record["multiplier"] = selection.multiplier
 
         new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), selection.multiplier)
-        self.record_aggregation_error(server_round, new, selection.multiplier)
+        self.record_aggregation_error(server_round, selection.multiplier)
         metrics = MetricRecord({"multiplier": selection.multiplier, "num-feasible": selection.num_feasible})
         if selection.teacher_scores is not None:
             metrics["teacher-scores"] = selection.teacher_scores

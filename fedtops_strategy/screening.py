@@ -24,10 +24,11 @@ from collections.abc import Iterable, Sequence
 from logging import WARNING
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
-from fedopd.lora import Named, aggregation_errors, check_compatible, from_record
+from fedopd.lora import Named, aggregation_errors_from_gram, aggregation_gram, check_compatible, from_record
 
 WEIGHT_KEY = "num-examples"
 
@@ -115,7 +116,7 @@ class ReplyScreening:
         self.round_started = 0.0
         self.first_round: int | None = None  # the first round this strategy configured
         self.sampled_node_ids: list[int] = []  # the nodes the current round's train messages went to
-        self._averaged: tuple[list[Named], list[float]] = ([], [])  # the round's kept client factors and weights
+        self._aggregation: tuple[np.ndarray, list[float]] | None = None  # the round's aggregation Gram matrix and client weights
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
         self._theta = arrays
@@ -189,26 +190,26 @@ class ReplyScreening:
         arrays, metrics = super().aggregate_train(server_round, kept)
         record = self.records[server_round]
         record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
+        self._aggregation = None
         if arrays is None:
             record["hold-reason"] = "no valid client update"
         elif self.averages_factors:
-            self._averaged = (
-                [from_record(next(iter(m.content.array_records.values()))) for m in kept],
-                [float(c[WEIGHT_KEY]) for c in record["clients"]],
-            )
-            self.record_aggregation_error(server_round, from_record(arrays), record["multiplier"])
+            clients = [from_record(next(iter(m.content.array_records.values()))) for m in kept]
+            weights = [float(c[WEIGHT_KEY]) for c in record["clients"]]
+            try:
+                self._aggregation = (aggregation_gram(self.theta_arrays(), clients, weights), weights)
+            except ValueError as err:  # a diagnostic never stops a round: factors without A/B pairs
+                log(WARNING, "round %d: no aggregation error: %s", server_round, err)
+                self._aggregation = None
+            self.record_aggregation_error(server_round, record["multiplier"])
         return arrays, metrics
 
-    def record_aggregation_error(self, server_round: int, applied: Named, multiplier: float) -> None:
+    def record_aggregation_error(self, server_round: int, multiplier: float) -> None:
         """Write the round's ``aggregation-error`` (the factor average against the average of the
-        products BA) and ``aggregation-error-applied`` (the same for θ_t + aΔ_t) to its record
+        products BA) and ``aggregation-error-applied`` (the same for θ_t + aΔ_t at ``multiplier``)
+        to its record, from the Gram matrix built once in ``aggregate_train``
         (:func:`fedopd.lora.aggregation_errors`; None where the update is 0)."""
-        clients, weights = self._averaged
-        try:
-            errors = aggregation_errors(self.theta_arrays(), clients, weights, applied, multiplier)
-        except ValueError as err:  # a diagnostic never stops a round: factors without A/B pairs
-            log(WARNING, "round %d: no aggregation error: %s", server_round, err)
-            errors = {"mean": None, "applied": None}
+        errors = aggregation_errors_from_gram(*self._aggregation, multiplier) if self._aggregation else {"mean": None, "applied": None}
         self.records[server_round]["aggregation-error"] = errors["mean"]
         self.records[server_round]["aggregation-error-applied"] = errors["applied"]
 
