@@ -1,5 +1,6 @@
 """The default (sandbox) and tiny presets reproduce, byte for byte, the adapters and records saved
-before the code was restructured (tests/golden/record.py made them)."""
+before the code was restructured (tests/golden/record.py made them); the float64 aggregation
+error to its precision."""
 
 import json
 import sys
@@ -20,5 +21,20 @@ def test_a_preset_reproduces_its_saved_adapters_and_records(preset, tmp_path):
     if saved["platform"] != platform_key():
         pytest.skip(f"saved on {saved['platform']}, this is {platform_key()}: fp32 kernels round differently elsewhere")
     got = fingerprint(run_preset(preset, str(tmp_path)))
-    assert got["records"] == saved["records"]
     assert got["adapters"] == saved["adapters"]
+    assert _without_diagnostics(got["records"]) == _without_diagnostics(saved["records"])
+    # The aggregation error is a float64 diagnostic whose last bits follow numpy's summation order
+    # (SIMD, array alignment), not the pinned fp32 training path; it keeps ~1e-13 relative
+    # (tests/test_aggregation_error.py against exact arithmetic).
+    for g, s in zip(got["records"], saved["records"]):
+        for key in DIAGNOSTICS:
+            assert (g.get(key) is None) == (s.get(key) is None), key
+            if g.get(key) is not None:
+                assert g[key] == pytest.approx(s[key], rel=1e-9), key
+
+
+DIAGNOSTICS = ("aggregation-error", "aggregation-error-applied")
+
+
+def _without_diagnostics(records):
+    return [{k: v for k, v in r.items() if k not in DIAGNOSTICS} for r in records]
