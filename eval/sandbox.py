@@ -643,6 +643,8 @@ def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fedopd.presets import add_run_config_option
+
     p = argparse.ArgumentParser(prog="python -m eval.sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     floats = lambda s: tuple(float(x) for x in s.split(","))  # noqa: E731
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -668,14 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         "--runs", type=Path, default=None, help="where the run folders live (default OUT/runs); grids that share it reuse each other's finished runs"
     )
     p.add_argument("--bootstrap", type=int, default=5000, help="bootstrap draws of the paired intervals")
-    p.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        metavar="'k1=v1 k2=v2'",
-        help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)",
-    )
+    add_run_config_option(p, help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]

@@ -576,20 +576,13 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from fedopd.config import ConfigError, parse_run_config
-    from fedopd.presets import app_defaults, load_preset, overrides_from_args
+    from fedopd.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
 
     parser = argparse.ArgumentParser(prog="python -m fedopd.data", description="Inspect the client prompt partitions.")
     commands = parser.add_subparsers(dest="command", required=True)
     desc = commands.add_parser("describe", help="each partition's size and mix over data.partition-by (and held-out problems)")
     desc.add_argument("--preset", help="a preset of configs/ (e.g. tiny) or a TOML file of run-config overrides")
-    desc.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        metavar="'k1=v1 k2=v2'",
-        help="overrides exactly as for `flwr run --run-config` (repeatable)",
-    )
+    add_run_config_option(desc)
     desc.add_argument("--num-partitions", type=int, default=0, help="default: num-clients, or 3")
     desc.add_argument("--plot", metavar="FILE", help="also draw Flower Datasets' partition plot to FILE (e.g. out.png)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

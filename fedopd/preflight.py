@@ -32,7 +32,7 @@ from typing import Any
 
 from fedopd.config import ConfigError, RunConfig, check_server_requirements, parse_run_config
 from fedopd.errors import ModelLoadError
-from fedopd.presets import app_defaults, load_preset, overrides_from_args
+from fedopd.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
 
 GIB = 1024**3
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -362,14 +362,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedopd.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
-    parser.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        metavar="'k1=v1 k2=v2'",
-        help="overrides exactly as for `flwr run --run-config` (repeatable)",
-    )
+    add_run_config_option(parser)
     parser.add_argument("--num-clients", type=int, default=None, help="clients to check prompts for (default: num-clients, else 3)")
     parser.add_argument("--gpu-free-gib", type=float, default=None, help="simulate a GPU with this much free memory")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -51,6 +51,11 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def add_run_config_option(parser, help: str = "overrides exactly as for `flwr run --run-config` (repeatable)") -> None:
+    """``--run-config`` / ``-c`` on an argparse ``parser``, read by :func:`overrides_from_args`."""
+    parser.add_argument("--run-config", "-c", action="append", default=[], metavar="'k1=v1 k2=v2'", help=help)
+
+
 def overrides_from_args(values: Sequence[str]) -> dict[str, Any]:
     """``--run-config`` values exactly as ``flwr run`` reads them (Flower's own parser): key=value
     pairs in TOML syntax, or one TOML file."""
@@ -74,14 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "without loading a model; print the resolved config. Exit status 1 on any problem.",
     )
     parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
-    parser.add_argument(
-        "--run-config",
-        "-c",
-        action="append",
-        default=[],
-        metavar="'k1=v1 k2=v2'",
-        help="overrides exactly as for `flwr run --run-config` (repeatable)",
-    )
+    add_run_config_option(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         merged = app_defaults()

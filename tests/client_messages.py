@@ -24,10 +24,8 @@ def client_context(cfg) -> Context:
     return Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 3}, state=RecordDict(), run_config=cfg.to_run_config())
 
 
-def train(context: Context, theta: dict[str, np.ndarray], server_round: int) -> tuple[dict[str, np.ndarray], dict]:
-    """Send θ to the ClientApp's train entry point; (θ⁺, metrics) of its reply."""
-    from client_app.app import train as train_entry
-
+def train_message(theta: dict[str, np.ndarray], server_round: int) -> Message:
+    """The train message a ServerApp sends node 7 in ``server_round`` with θ."""
     content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in theta.items()}), "config": ConfigRecord({"server-round": server_round})})
     meta = Metadata(
         run_id=1,
@@ -40,7 +38,14 @@ def train(context: Context, theta: dict[str, np.ndarray], server_round: int) -> 
         ttl=600.0,
         message_type="train",
     )
-    reply = train_entry(Message(content=content, metadata=meta), context)
+    return Message(content=content, metadata=meta)
+
+
+def train(context: Context, theta: dict[str, np.ndarray], server_round: int) -> tuple[dict[str, np.ndarray], dict]:
+    """Send θ to the ClientApp's train entry point; (θ⁺, metrics) of its reply."""
+    from client_app.app import train as train_entry
+
+    reply = train_entry(train_message(theta, server_round), context)
     return {k: v.numpy() for k, v in reply.content["arrays"].items()}, dict(reply.content["metrics"])
 
 

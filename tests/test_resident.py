@@ -10,8 +10,9 @@ import os
 
 import numpy as np
 import pytest
+from client_messages import train_message
 from conftest import TINY
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+from flwr.app import Context, RecordDict
 
 from client_app.resident import actor_name, worker_identity
 from fedopd.config import parse_run_config
@@ -89,22 +90,6 @@ def ray_instance():
     ray.shutdown()
 
 
-def _message(theta, server_round):
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in theta.items()}), "config": ConfigRecord({"server-round": server_round})})
-    meta = Metadata(
-        run_id=1,
-        message_id=f"m{server_round}",
-        src_node_id=0,
-        dst_node_id=7,
-        reply_to_message_id="",
-        group_id=str(server_round),
-        created_at=0.0,
-        ttl=600.0,
-        message_type="train",
-    )
-    return Message(content=content, metadata=meta)
-
-
 def _context(cfg, mode):
     # ray-insecure: the Ray instance is this test process's own, started without authentication;
     # the refusal of such an instance is tested in test_ray_auth.py.
@@ -125,7 +110,7 @@ def test_resident_worker_runs_two_rounds_like_the_in_process_client_with_models_
     for mode in ("resident", "in-process"):
         context, theta, metrics = _context(cfg, mode), theta0, []
         for server_round in (1, 2):  # round 2 uses the optimizer state kept in context.state
-            reply = handle("train", _message(theta, server_round), context)
+            reply = handle("train", train_message(theta, server_round), context)
             theta = {k: v.numpy() for k, v in reply.content["arrays"].items()}
             metrics.append(dict(reply.content["metrics"]))
         results[mode] = (theta, metrics, set(context.state.keys()))
@@ -150,7 +135,7 @@ def test_a_run_with_other_models_replaces_the_worker_and_stop_removes_it(ray_ins
 
     for rank in (8, 4):
         cfg = parse_run_config({**OVERRIDES, "lora.rank": rank})
-        reply = handle("train", _message(initial_adapter(cfg)[0], 1), _context(cfg, "resident"))
+        reply = handle("train", train_message(initial_adapter(cfg)[0], 1), _context(cfg, "resident"))
         assert reply.content["metrics"]["worker-model-loads"] == 1  # a fresh worker for the new models
         assert list_workers() == [actor_name("test", worker_identity(cfg.to_run_config()))]
     assert stop_workers("test") == [actor_name("test", worker_identity(cfg.to_run_config()))]

@@ -12,6 +12,7 @@ from conftest import TINY
 
 from fedopd.config import ConfigError, parse_run_config
 from server_app.run_folder import complete_rounds, config_mismatch
+from tests.golden.record import without_timings  # timings, process ids and bytes sent (they carry the run folder's path)
 
 BASE = {
     **TINY,
@@ -30,32 +31,6 @@ STRATEGIES = {
     "fixed": {"strategy.name": "fixed", "strategy.multiplier": 3.0},
     "local": {"strategy.name": "local"},
 }
-# ... and the bytes sent: the train config carries the run folder's path (and, once, resume-round)
-TIMING = {
-    "seconds",
-    "eval_seconds",
-    "score_seconds",
-    "rollout_s",
-    "grade_s",
-    "cache_s",
-    "opd_s",
-    "total_s",
-    "teacher_s",
-    "train_s",
-    "worker-pid",
-    "worker-model-loads",
-    "worker-rss-mb",
-    "server-rss-mb",
-    "communication",
-}
-
-
-def _without_timings(value):
-    if isinstance(value, dict):
-        return {k: _without_timings(v) for k, v in value.items() if k not in TIMING}
-    if isinstance(value, list):
-        return [_without_timings(v) for v in value]
-    return value
 
 
 def _records(run: Path) -> list[dict]:
@@ -104,7 +79,7 @@ def test_a_run_stopped_in_round_three_and_resumed_equals_the_uninterrupted_run(t
     resumed = run_in_process({**config, "output-dir": str(tmp_path / "elsewhere"), "resume-from": str(stopped)})
 
     assert resumed == stopped  # continued in the same folder
-    assert _without_timings(_records(resumed)) == _without_timings(_records(full))
+    assert without_timings(_records(resumed)) == without_timings(_records(full))
     for r in (3, 4):
         adapters = sorted(p.relative_to(full) for p in (full / f"round-{r:03d}").rglob("adapter_model.safetensors"))
         assert adapters == sorted(p.relative_to(resumed) for p in (resumed / f"round-{r:03d}").rglob("adapter_model.safetensors"))

@@ -267,10 +267,8 @@ def test_fp32_head_gives_fp32_logits_and_the_gradient_of_a_plain_linear():
     assert torch.all((h.grad.double() - reference.bfloat16().double()).abs() <= bound)
 
 
-def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeypatch):
-    import fedopd.round as round_module
-
-    monkeypatch.setattr(round_module, "PROGRESS_AFTER_S", 0.0)  # every phase counts as long
+def _progress_lines(tiny_pair) -> tuple[list[str], ClientModels]:
+    """The progress lines of a 4-rollout round 3 on the tiny pair, and the models it ran on."""
     student, teacher = tiny_pair
     cfg = parse_run_config(TINY)
     models = ClientModels(student, teacher, HFRolloutEngine(student))
@@ -289,6 +287,14 @@ def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeyp
         total_steps=4,
         progress=lines.append,
     )
+    return lines, models
+
+
+def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeypatch):
+    import fedopd.round as round_module
+
+    monkeypatch.setattr(round_module, "PROGRESS_AFTER_S", 0.0)  # every phase counts as long
+    lines, models = _progress_lines(tiny_pair)
     assert [line.split(":")[0] for line in lines] == ["round 3"] * len(lines)
     phases = [line for line in lines if not line.startswith("round 3: generating")]
     assert [p.split(": ", 1)[1].split(" ")[0:2] for p in phases] == [["4", "rollouts,"], ["teacher", "pass"], ["scoring", "cache"], ["local", "OPD,"]]
@@ -297,22 +303,5 @@ def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeyp
 
 
 def test_a_short_round_reports_nothing(tiny_pair):
-    student, teacher = tiny_pair
-    cfg = parse_run_config(TINY)
-    models = ClientModels(student, teacher, HFRolloutEngine(student))
-    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
-    lines = []
-    train_round(
-        models,
-        student.get_lora_arrays(),
-        prompts,
-        rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
-        cache=CacheSettings(rollouts=2, positions=4, top_k=4),
-        train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
-        server_round=3,
-        seed=1,
-        step_offset=0,
-        total_steps=4,
-        progress=lines.append,
-    )
+    lines, _ = _progress_lines(tiny_pair)
     assert lines == []
