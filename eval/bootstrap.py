@@ -22,6 +22,15 @@ def _interval(diffs: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def bootstrap_mean(values: np.ndarray, draws: int, seed: int = 0) -> tuple[float, float, float]:
+    """The mean of ``values`` and the 95 % percentile interval of the means of ``draws`` resamples
+    (with replacement, the size of ``values``)."""
+    values = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(values), size=(draws, len(values)))
+    return (float(values.mean()), *_interval(values[idx].mean(axis=1)))
+
+
 def paired_bootstrap(a: np.ndarray, b: np.ndarray, draws: int, seed: int = 0) -> tuple[float, float, float]:
     """Mean-score difference b − a (percent) and its 95 % percentile interval.
 
@@ -59,10 +68,7 @@ def seed_bootstrap(a: np.ndarray, b: np.ndarray, draws: int, seed: int = 0) -> t
     seed s of a with seed s of b). ``a``, ``b``: (seeds, problems[, samples]) 0/1 grades."""
     a, b = _per_seed_problem(a), _per_seed_problem(b)
     _check_pair(a, b)
-    per_seed = 100.0 * (b.mean(axis=1) - a.mean(axis=1))
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(per_seed), size=(draws, len(per_seed)))
-    return (float(per_seed.mean()), *_interval(per_seed[idx].mean(axis=1)))
+    return bootstrap_mean(100.0 * (b.mean(axis=1) - a.mean(axis=1)), draws, seed)  # per seed
 
 
 def problem_bootstrap(a: np.ndarray, b: np.ndarray, draws: int, seed: int = 0) -> tuple[float, float, float]:
@@ -71,10 +77,7 @@ def problem_bootstrap(a: np.ndarray, b: np.ndarray, draws: int, seed: int = 0) -
     problems[, samples]) 0/1 grades."""
     a, b = _per_seed_problem(a), _per_seed_problem(b)
     _check_pair(a, b)
-    per_problem = 100.0 * (b - a).mean(axis=0)  # the seeds' mean difference on each problem
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(per_problem), size=(draws, len(per_problem)))
-    return (float(per_problem.mean()), *_interval(per_problem[idx].mean(axis=1)))
+    return bootstrap_mean(100.0 * (b - a).mean(axis=0), draws, seed)  # the seeds' mean difference on each problem
 
 
 # Two-sided 5 % test with 80 % power: z_{0.975} + z_{0.8}.

@@ -208,7 +208,7 @@ def replicate_summary(results: list[dict[str, Any]], draws: int, grid_sd: dict[t
     the difference a two-sided 5 % test on this many replicates detects with 80 % power, from
     their own sd and (``grid_sd``: (lr, metric) -> the seed sd of one method's final score in the
     grid) from √2 × the grid's seed spread (two independently trained models)."""
-    from eval.bootstrap import detectable_difference
+    from eval.bootstrap import bootstrap_mean, detectable_difference
 
     out = []
     for lr in sorted({r["lr"] for r in results}):
@@ -222,8 +222,7 @@ def replicate_summary(results: list[dict[str, Any]], draws: int, grid_sd: dict[t
                     for r in runs
                 ]
             )
-            rng = np.random.default_rng(0)
-            boot = values[rng.integers(0, len(values), size=(draws, len(values)))].mean(axis=1)
+            mean, lo, hi = bootstrap_mean(values, draws)
             sd = float(values.std(ddof=1)) if len(values) > 1 else float("nan")
             row = {
                 "lr": lr,
@@ -231,9 +230,9 @@ def replicate_summary(results: list[dict[str, Any]], draws: int, grid_sd: dict[t
                 "minus": d0["minus"],
                 "metric": d0["metric"],
                 "runs": len(values),
-                "mean": float(values.mean()),
+                "mean": mean,
                 "per_run": values.tolist(),
-                "by_seed": [float(x) for x in np.percentile(boot, [2.5, 97.5])],
+                "by_seed": [lo, hi],
                 "sd": sd,
                 "detectable": detectable_difference(sd, len(values)) if len(values) > 1 else None,
             }
