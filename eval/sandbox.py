@@ -187,6 +187,23 @@ def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
 GRADES = "heldout-grades.npz"  # per-problem grades of a grid run's final adapter(s), in its run folder
 
 
+def grade_clients(cfg, adapter_for, eval_round: int, num_clients: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-problem grades on every client's held-out problems, clients in partition order: greedy
+    (problems,) and sampled (problems, k), client ``i`` grading ``adapter_for(i)`` with the seeds
+    its evaluation in round ``eval_round`` uses."""
+    from client_app.worker import setup_heldout
+    from fedopd.heldout import heldout_correctness
+    from fedopd.round import derive_seed
+
+    greedy, sampled = [], []
+    for i in range(num_clients):
+        models, prompts = setup_heldout(cfg, i, num_clients)
+        g, c, _ = heldout_correctness(models, adapter_for(i), prompts, cfg.eval, derive_seed(cfg.seed, i, eval_round, 3))
+        greedy.append(g)
+        sampled.append(c)
+    return np.concatenate(greedy), np.concatenate(sampled)
+
+
 def final_grades(run: Path) -> Path:
     """Grade the final adapter(s) of a finished run on every client's held-out problems, with the
     very seeds of the run's last evaluation, and save ``greedy`` (problems,) and ``sampled``
@@ -196,25 +213,19 @@ def final_grades(run: Path) -> Path:
     global one. The means must equal the run's recorded final evaluation (same adapters, seeds
     and problems); a mismatch is an error.
     """
-    from client_app.worker import setup_heldout
     from fedopd.config import parse_run_config
-    from fedopd.heldout import heldout_correctness
     from fedopd.lora import load_adapter
-    from fedopd.round import derive_seed
     from server_app.run_folder import read_rounds, read_run_config
 
     cfg = parse_run_config(read_run_config(run))
     last = read_rounds(run)[-1]
-    num = int(cfg.num_clients or 3)
     folder = run / f"round-{last['round']:03d}"
-    greedy, sampled = [], []
-    for pid in range(num):
-        models, prompts = setup_heldout(cfg, pid, num)
-        theta = load_adapter(folder / f"client-{pid}" if cfg.strategy.name == "local" else folder)
-        g, c, _ = heldout_correctness(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, pid, last["round"], 3))
-        greedy.append(g)
-        sampled.append(c)
-    greedy_all, sampled_all = np.concatenate(greedy), np.concatenate(sampled)
+    if cfg.strategy.name == "local":
+        adapter_for = lambda pid: load_adapter(folder / f"client-{pid}")  # noqa: E731
+    else:
+        theta = load_adapter(folder)
+        adapter_for = lambda pid: theta  # noqa: E731
+    greedy_all, sampled_all = grade_clients(cfg, adapter_for, last["round"], int(cfg.num_clients or 3))
     recorded = last.get("evaluation")
     k = cfg.eval.samples
     if (
@@ -234,14 +245,10 @@ def final_grades(run: Path) -> Path:
 
 def graded_scores(path: Path) -> dict[str, float]:
     """Greedy accuracy, Avg@k and Pass@k (%) from a :func:`final_grades` file."""
+    from fedopd.heldout import heldout_scores
+
     with np.load(path) as z:
-        greedy, sampled = z["greedy"], z["sampled"]
-    k = sampled.shape[1]
-    return {
-        "accuracy": 100.0 * float(greedy.mean()),
-        f"avg@{k}": 100.0 * float(sampled.mean()),
-        f"pass@{k}": 100.0 * float(sampled.max(axis=1).mean()),
-    }
+        return heldout_scores(z["greedy"], z["sampled"])
 
 
 def _mean_of(values: list) -> float | None:

@@ -133,9 +133,9 @@ def source_distance(
 def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int, num_clients: int, draws: int, out: Path) -> dict[str, Any]:
     """The intervention on one run folder (see the module doc); writes ``out/source_swap.json``."""
     from client_app.worker import setup_heldout
-    from fedopd.heldout import heldout_correctness
+    from eval.sandbox import grade_clients
+    from fedopd.heldout import heldout_scores
     from fedopd.lora import apply_increment, load_adapter, save_adapter
-    from fedopd.round import derive_seed
     from server_app.run_folder import read_rounds, read_run_config
 
     cfg = parse_run_config(read_run_config(run))
@@ -161,13 +161,8 @@ def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int
 
     grades: dict[str, dict[str, np.ndarray]] = {}
     for name, theta in adapters.items():
-        greedy, sampled = [], []
-        for i in range(num_clients):
-            models, prompts = setup_heldout(cfg, i, num_clients)
-            g, c, _ = heldout_correctness(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, i, 0, 3))
-            greedy.append(g)
-            sampled.append(c)
-        grades[name] = {"greedy": np.concatenate(greedy)[:, None], "sampled": np.concatenate(sampled)}
+        greedy, sampled = grade_clients(cfg, lambda i, theta=theta: theta, 0, num_clients)  # round 0's evaluation seeds
+        grades[name] = {"greedy": greedy[:, None], "sampled": sampled}
 
     k = cfg.eval.samples
     result: dict[str, Any] = {
@@ -186,11 +181,7 @@ def swap_one(run: Path, round_t: int, sources: list[float], receiver_rounds: int
         ],
     }
     for name, g in grades.items():
-        result["models"][name] = {
-            "accuracy": 100.0 * float(g["greedy"].mean()),
-            f"avg@{k}": 100.0 * float(g["sampled"].mean()),
-            f"pass@{k}": 100.0 * float(g["sampled"].max(axis=1).mean()),
-        }
+        result["models"][name] = heldout_scores(g["greedy"][:, 0], g["sampled"])
     names = list(grades)
     pairs = [(names[1], n) for n in names[2:]] + [("start", n) for n in names[1:]]
     for base, other in pairs:

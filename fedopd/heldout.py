@@ -1,6 +1,6 @@
 """Held-out evaluation of an adapter on a client's held-out prompts: greedy accuracy, Avg@k and
 Pass@k at the paper's evaluation sampling, graded by math-verify. The client's ``evaluate``
-handler and ``python -m eval.source_swap`` call it; it imports nothing from ``eval/``.
+handler, ``python -m eval.sandbox`` and ``python -m eval.source_swap`` call it; it imports nothing from ``eval/``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def heldout_correctness(
     return np.asarray(greedy_ok, dtype=np.float64), correct.reshape(len(prompts), k), greedy
 
 
+def heldout_scores(greedy_ok: np.ndarray, correct: np.ndarray) -> dict[str, float]:
+    """Greedy ``accuracy``, Avg@k and Pass@k (percent) of per-problem grades: greedy (n,), sampled (n, k)."""
+    k = np.shape(correct)[1]
+    return {"accuracy": 100.0 * float(np.mean(greedy_ok)), f"avg@{k}": avg_at_k(correct), f"pass@{k}": pass_at_k(correct)}
+
+
 def evaluate_heldout(
     models,
     theta: Mapping[str, np.ndarray],
@@ -55,11 +61,8 @@ def evaluate_heldout(
     """Held-out metrics of the adapter ``theta`` (percent): greedy ``accuracy``, Avg@k and Pass@k."""
     t0 = time.perf_counter()
     greedy_ok, correct, greedy = heldout_correctness(models, theta, prompts, settings, seed)
-    k = settings.samples
     return {
-        "accuracy": 100.0 * float(greedy_ok.mean()),
-        f"avg@{k}": avg_at_k(correct),
-        f"pass@{k}": pass_at_k(correct),
+        **heldout_scores(greedy_ok, correct),
         "response_length": float(greedy.response_lengths.mean()),
         "cap_hit_rate": 100.0 * greedy.cap_hit_rate,
         "eval_s": time.perf_counter() - t0,
