@@ -225,3 +225,40 @@ def test_replicates_of_the_source_swap_give_a_mean_a_seed_interval_and_a_detecta
     assert row["sd"] == pytest.approx(np.sqrt(2)) and row["detectable"] == pytest.approx(DETECTABLE_Z)
     # from the grid: two independent models of seed sd 1 differ with sd √2
     assert row["detectable_from_grid"] == {1: pytest.approx(DETECTABLE_Z * np.sqrt(2)), 2: pytest.approx(DETECTABLE_Z)}
+
+
+@pytest.mark.slow
+def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp_path):
+    # Re-grading happens outside the run (eval.sandbox, after it): each Local client's own final
+    # adapter, the seeds of the last evaluation. The run's evaluate handler scored the same
+    # adapters independently; equal held-out sets per client, so the pooled mean is Local's mean.
+    from client_app.app import app
+    from fedopd.config import parse_run_config
+    from fedopd.presets import app_defaults
+    from server_app.app import run_server
+    from server_app.inprocess import InProcessGrid, task_identity
+
+    overrides = {
+        **app_defaults(),  # the sandbox models: they solve some problems, so the grades vary
+        "strategy.name": "local",
+        "num-server-rounds": 1,
+        "data.prompts-per-client": 8,
+        "rollout.per-round": 4,
+        "rollout.max-new-tokens": 8,
+        "train.mini-batch": 4,
+        "eval.every": 1,
+        "eval.prompts-per-client": 4,
+        "eval.samples": 2,
+        "output-dir": str(tmp_path),
+    }
+    cfg = parse_run_config(overrides)
+    with task_identity():
+        run = run_server(InProcessGrid(app, cfg.to_run_config(), 3), cfg)
+    recorded = json.loads((run / "rounds.jsonl").read_text().splitlines()[-1])["evaluation"]
+    scores = sandbox.graded_scores(sandbox.final_grades(run))
+    assert scores["accuracy"] == pytest.approx(recorded["accuracy"], abs=1e-9)
+    assert scores["avg@2"] == pytest.approx(recorded["avg@2"], abs=1e-9)
+    assert scores["pass@2"] == pytest.approx(recorded["pass@2"], abs=1e-9)
+    with np.load(run / sandbox.GRADES) as z:
+        assert z["greedy"].shape == (12,) and z["sampled"].shape == (12, 2)  # 3 clients × 4 problems
+        assert 0 < z["sampled"].mean() < 1  # grades that a wrong adapter or seed would change
