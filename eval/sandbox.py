@@ -89,9 +89,19 @@ def method_settings(method: str) -> dict[str, Any]:
     return METHODS[method]
 
 
+def delta_text(delta: float) -> str:
+    """A trust budget as tables and figures show it (∞ for no constraint)."""
+    return "∞" if delta == float("inf") else f"{delta:g}"
+
+
 def method_title(method: str) -> str:
     delta = method_trust_budget(method)
-    return f"FedTOPS δ = {'∞' if delta == float('inf') else f'{delta:g}'}" if delta is not None else TITLES.get(method, method)
+    return f"FedTOPS δ = {delta_text(delta)}" if delta is not None else TITLES.get(method, method)
+
+
+def swept_methods(rows: list[dict[str, Any]]) -> list[str]:
+    """The trust-budget sweep's methods among ``rows``, by increasing δ."""
+    return sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
 
 
 def parse_trust_budgets(text: str) -> tuple[float, ...]:
@@ -463,7 +473,7 @@ def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, A
     from eval.bootstrap import problem_bootstrap, seed_bootstrap
 
     grades = load_grades(rows)
-    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
+    swept = swept_methods(rows)
     out = []
     for lr in sorted({r["lr"] for r in rows}):
         for a, b in [*COMPARISONS, *(("fedavg", m) for m in swept)]:  # and each δ of a sweep against FedAvg
@@ -541,7 +551,7 @@ def aggregation_table(rows: list[dict[str, Any]]) -> str:
 def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
     """Per δ and learning rate: final greedy and Avg@k (mean ± sd over seeds), mean selected a,
     held rounds, and the share of scored rounds in which each candidate was infeasible."""
-    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
+    swept = swept_methods(rows)
     if not swept:
         return ""
     candidates = next(r["candidates"] for r in rows if r["method"] in swept)
@@ -563,7 +573,7 @@ def trust_budget_table(rows: list[dict[str, Any]], k: int) -> str:
             infeasible = [100 * sum(r["infeasible_rounds"][j] for r in sel) / scored for j in range(len(candidates))]
             delta = method_trust_budget(m)
             out.append(
-                f"| {lr:g} | {'∞' if delta == float('inf') else f'{delta:g}'} | {g:.1f} ± {gs:.1f} | {v:.1f} ± {vs:.1f} | "
+                f"| {lr:g} | {delta_text(delta)} | {g:.1f} ± {gs:.1f} | {v:.1f} ± {vs:.1f} | "
                 f"{np.mean([r['mean_multiplier'] for r in sel]):.2f} | {sum(r['held_rounds'] for r in sel)} | "
                 + " | ".join(f"{x:.0f}" for x in infeasible)
                 + " |"
@@ -598,7 +608,7 @@ def change_scale_table(rows: list[dict[str, Any]]) -> str:
 def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | None:
     """Final greedy accuracy and Avg@k against δ (mean ± sd over seeds, ∞ at the right end),
     one column per learning rate, with the FedAvg and Local levels (mean over the same seeds) as lines."""
-    swept = sorted({m for m in (r["method"] for r in rows) if method_trust_budget(m) is not None}, key=method_trust_budget)
+    swept = swept_methods(rows)
     if not swept:
         return None
     import matplotlib
@@ -632,7 +642,7 @@ def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | 
                     ax.axhline(np.mean(vals), linestyle=style, color="gray" if ref == "local" else "black", label=method_title(ref))
             if finite:
                 ax.set_xscale("log")
-            ax.set_xticks([pos[d] for d in deltas], ["∞" if d == float("inf") else f"{d:g}" for d in deltas])
+            ax.set_xticks([pos[d] for d in deltas], [delta_text(d) for d in deltas])
             ax.minorticks_off()
             ax.grid(alpha=0.3)
             if col == 0:
