@@ -15,6 +15,7 @@ from flwr.common.logger import log
 
 from fedopd.config import DataSettings, LoraSettings, ModelSettings, RunConfig
 from fedopd.data import DATASETS, Prompt, encode_prompts
+from fedopd.positions import needed_positions
 from fedopd.round import ClientModels, load_client_models
 from fedopd.vocab import ModelFiles, eos_conventions
 
@@ -75,7 +76,7 @@ def heldout_rows(data: DataSettings, partition_id: int, num_partitions: int, cou
 
 def _models(cfg: RunConfig) -> ClientModels:
     r = cfg.rollout
-    max_len = cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    max_len = needed_positions(cfg.data.max_prompt_tokens, r.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0)
     return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization, r.stop_tokens)
 
 

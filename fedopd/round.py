@@ -19,6 +19,7 @@ from fedopd.grading import is_correct
 from fedopd.heldout import evaluate_heldout, heldout_correctness  # noqa: F401 - re-exported: the old import path
 from fedopd.models import CausalLM, load_pair
 from fedopd.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
+from fedopd.positions import engine_context, model_positions
 from fedopd.rollout import RolloutEngine, SamplingParams, make_rollout_engine
 from fedopd.vocab import ModelFiles, StopTokens, resolve_stop_tokens
 
@@ -41,7 +42,7 @@ def load_client_models(
     backend: str,
     dtype: str = "auto",
     seed: int = 0,
-    max_model_len: int = 8192,
+    max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.3,
     stop_tokens: str = "auto",
 ) -> ClientModels:
@@ -52,14 +53,27 @@ def load_client_models(
 
     With vLLM, the engine asks for ``gpu_memory_utilization`` of the whole GPU, which must still
     be free after the HF student and teacher are loaded (docs/reproducing-the-paper.md: memory split per card).
+
+    ``max_model_len``: the positions the run needs (``data.max-prompt-tokens`` plus the longer of
+    ``rollout.max-new-tokens`` and ``eval.max-new-tokens``), refused if the student or the teacher
+    has fewer (:mod:`fedopd.positions`); None = the student's own positions.
     """
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
+    if max_model_len is not None:
+        for role, lm in (("model.student", s), ("model.teacher", t)):
+            positions, key = model_positions(lm.causal_lm.config)
+            if positions is not None and max_model_len > positions:
+                raise ValueError(
+                    f"this run needs {max_model_len} positions (data.max-prompt-tokens + the longer of rollout.max-new-tokens and "
+                    f"eval.max-new-tokens), but {role} '{lm.name}' has {positions} ({key} in its config.json); lower them"
+                )
+    context = engine_context(s.causal_lm.config, max_model_len)
     stop = resolve_stop_tokens(stop_tokens, ModelFiles.of(s), ModelFiles.of(t))
     engine = make_rollout_engine(
         backend,
         s,
         stop_token_ids=stop.ids,
-        max_model_len=max_model_len,
+        max_model_len=context,
         gpu_memory_utilization=gpu_memory_utilization,
         seed=seed,
     )

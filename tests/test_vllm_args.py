@@ -52,9 +52,23 @@ def test_llm_kwargs():
         "seed": 3,
         "generation_config": "vllm",
     }
-    assert llm_kwargs("m", lora_rank=12, max_model_len=8, gpu_memory_utilization=0.3, dtype="auto", seed=0)["max_lora_rank"] == 16
+    assert llm_kwargs("m", lora_rank=12, max_model_len=8, gpu_memory_utilization=0.3, dtype="float32", seed=0)["max_lora_rank"] == 16
     with pytest.raises(ValueError, match=r"lora\.rank = 600"):
-        llm_kwargs("m", lora_rank=600, max_model_len=8, gpu_memory_utilization=0.3, dtype="auto", seed=0)
+        llm_kwargs("m", lora_rank=600, max_model_len=8, gpu_memory_utilization=0.3, dtype="float32", seed=0)
+
+
+def test_vllm_never_resolves_the_dtype_itself():
+    """'auto' would make vLLM read config.json (the sandbox models say bfloat16) while HF runs fp32."""
+    with pytest.raises(ValueError, match="not 'auto'"):
+        llm_kwargs("m", lora_rank=8, max_model_len=8, gpu_memory_utilization=0.3, dtype="auto", seed=0)
+
+
+def test_vllms_cpu_build_runs_eager_without_chunked_prefill():
+    """vLLM 0.32's CPU build cannot rewind a seeded request's generator after a partial prefill:
+    'CPU Generator does not use offset' killed the engine on a batch of 192 seeded requests."""
+    kw = llm_kwargs("m", lora_rank=8, max_model_len=8, gpu_memory_utilization=0.1, dtype="float32", seed=0, platform="cpu")
+    assert kw["enforce_eager"] is True and kw["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in llm_kwargs("m", lora_rank=8, max_model_len=8, gpu_memory_utilization=0.1, dtype="float32", seed=0)
 
 
 # --- temperature: vllm/sampling_params.py refuses > 2 ----------------------------------------
@@ -171,12 +185,16 @@ class _FakeVLLM:
     """Records what the engine hands vLLM; answers with scripted (token_ids, finish_reason)."""
 
     def __init__(self):
-        self.llm_kwargs, self.lora_requests, self.calls, self.script = None, [], [], []
+        self.llm_kwargs, self.lora_requests, self.calls, self.script, self.runs_in = None, [], [], [], None
         fake = self
 
         class LLM:
             def __init__(self, **kwargs):
                 fake.llm_kwargs = kwargs
+                import torch
+
+                dtype = getattr(torch, fake.runs_in or kwargs["dtype"])  # what vLLM resolved the model to
+                self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype, max_model_len=kwargs["max_model_len"]))
 
             def generate(self, prompts, sampling, *, lora_request, use_tqdm):
                 fake.calls.append((prompts, sampling, lora_request))
@@ -219,6 +237,7 @@ def test_engine_hands_vllm_the_built_arguments(monkeypatch, tmp_path):
         seed=5,
         stop_token_ids=(2, 9),
         workdir=tmp_path,
+        platform="cuda",
     )
     assert fake.llm_kwargs["max_lora_rank"] == 8 and fake.llm_kwargs["generation_config"] == "vllm"
     arrays = {"a.lora_A.weight": np.zeros((4, 8), np.float32), "a.lora_B.weight": np.zeros((8, 4), np.float32)}
@@ -284,3 +303,18 @@ def test_real_vllm_engine_on_the_sandbox_student():
         engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
     finally:
         engine.close()
+
+
+def test_an_engine_that_runs_another_dtype_than_the_hf_student_is_refused(monkeypatch, tmp_path):
+    from fedopd.config import LoraSettings
+    from fedopd.models import lora_config
+    from fedopd.rollout_vllm import VLLMRolloutEngine
+
+    fake = _FakeVLLM()
+    fake.runs_in = "bfloat16"  # e.g. a platform that casts float16 to bfloat16
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(RuntimeError, match="vLLM runs the student in bfloat16, the HF student is in float16"):
+        VLLMRolloutEngine(
+            "/m", ["a.lora_A.weight"], lora_config(LoraSettings(rank=4)), max_model_len=8, dtype="float16", workdir=tmp_path, platform="cuda"
+        )
