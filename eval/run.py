@@ -208,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"note: responses end at {list(stop.tokens)}", file=sys.stderr)
+    from fedopd.positions import model_positions
+
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
     prompt_ids = encode_benchmarks(student.tokenizer, benchmarks)
     longest = max(len(ids) for ids in (i for batch in prompt_ids.values() for i in batch))
-    max_positions = getattr(student.causal_lm.config, "max_position_embeddings", None)
+    max_positions, _ = model_positions(student.causal_lm.config)  # as vLLM derives them
     try:
         args.max_new_tokens, note = cap_new_tokens(args.max_new_tokens, longest, max_positions, args.model)
     except ValueError as err:

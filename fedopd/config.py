@@ -64,7 +64,7 @@ class LoraSettings:
 class DataSettings:
     name: str = "sandbox"
     prompts_per_client: int = 256
-    max_prompt_tokens: int = 2048
+    max_prompt_tokens: int = 384  # the sandbox models have 512 positions (fedopd.positions); the paper: 2048
     path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
     seed: int = 42  # the partition, the prompt pool and the held-out selection; never the training seed
     partitioner: str = "groups"  # PARTITIONERS: groups = the set's own fixed groups (the paper's)

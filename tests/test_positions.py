@@ -2,7 +2,6 @@
 positions (fedopd.positions): read as vLLM derives them, refused before round 1 naming the keys,
 for the HF engine as for vLLM, and vLLM's context never exceeds them."""
 
-
 import pytest
 
 from fedopd.config import ConfigError, RunConfig

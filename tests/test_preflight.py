@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from model_fixtures import QWEN3_0_6B, QWEN3_8B, architecture_only
 
 from fedopd.preflight import FAIL, OK, run_checks
@@ -41,6 +42,15 @@ def test_a_missing_model_folder_fails_with_one_line(model_copies, tmp_path):
 def test_a_prompt_set_that_the_length_filter_empties_fails_with_one_line(model_copies):
     [row] = _failures(run_checks(_pair(model_copies, **{"data.max-prompt-tokens": 10})))
     assert row.check == "prompts" and "no prompt of client 0 fits data.max-prompt-tokens = 10" in row.detail
+
+
+@pytest.mark.parametrize("backend", ["hf", "auto"])
+def test_prompts_and_responses_past_the_models_positions_fail_whatever_the_engine(model_copies, backend):
+    [row] = _failures(run_checks(_pair(model_copies, **{"data.max-prompt-tokens": 2048, "rollout.backend": backend})))
+    assert row.check == "positions" and row.detail.startswith("data.max-prompt-tokens (2048) + rollout.max-new-tokens (128) = 2176 positions")
+    assert "lower data.max-prompt-tokens to at most 384" in row.detail
+    rows = {r.check: r for r in run_checks(_pair(model_copies, **{"rollout.backend": backend})).rows}
+    assert rows["positions"].detail == "prompt + response need 512 positions; the models have student 512, teacher 512"
 
 
 def test_an_end_of_turn_token_outside_the_stop_set_fails_naming_the_setting(model_copies):

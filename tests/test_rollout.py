@@ -121,4 +121,7 @@ def test_config_json_records_the_dtype_and_the_engine_of_this_host():
     if torch.cuda.is_available():
         pytest.skip("a CUDA host resolves auto to bfloat16")
     assert engine_settings(parse_run_config({})) == {"model.dtype": "float32", "rollout.backend": "hf"}
-    assert engine_settings(parse_run_config({"model.dtype": "bfloat16", "rollout.backend": "vllm"})) == {"model.dtype": "bfloat16", "rollout.backend": "vllm"}
+    assert engine_settings(parse_run_config({"model.dtype": "bfloat16", "rollout.backend": "vllm"})) == {
+        "model.dtype": "bfloat16",
+        "rollout.backend": "vllm",
+    }
