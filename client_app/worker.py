@@ -57,6 +57,8 @@ def worker_models(
     )
     note = eos_conventions(ModelFiles.of(models.student), ModelFiles.of(models.teacher))
     log(INFO, "rollouts stop at %s%s", list(models.stop_tokens.tokens), f" ({note})" if note else "")
+    engine = "vLLM" if type(models.rollout).__name__ == "VLLMRolloutEngine" else "HF"
+    log(INFO, "rollouts on %s; the student runs in %s (training and rollouts alike)", engine, str(models.student.dtype).removeprefix("torch."))
     return models
 
 

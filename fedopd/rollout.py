@@ -149,10 +149,15 @@ def make_rollout_engine(
     None = the student's own EOS ids. ``max_model_len``: vLLM's context, at most the student's
     positions (:func:`fedopd.positions.engine_context`).
     """
-    from fedopd.rollout_vllm import VLLMRolloutEngine, torch_dtype_name, vllm_platform
+    from fedopd.rollout_vllm import VLLMRolloutEngine, cpu_head_size_problem, torch_dtype_name, vllm_platform
 
-    if resolve_backend(backend, vllm_platform() if backend != "hf" else None) == "vllm":
+    platform = vllm_platform() if backend != "hf" else None
+    if resolve_backend(backend, platform) == "vllm":
         from fedopd.models import resolve_model_path
+
+        problem = cpu_head_size_problem(student.name, student.causal_lm.config) if platform == "cpu" else None
+        if problem:  # before vLLM starts: it would fail only at the first forward
+            raise ValueError(problem)
 
         return VLLMRolloutEngine(
             resolve_model_path(student.name),

@@ -80,6 +80,23 @@ def vllm_available() -> bool:
     return vllm_platform() is not None
 
 
+# vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes (vLLM 0.32): other head sizes
+# start the engine and then fail at the first forward ("Unsupported CPU attention configuration").
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def cpu_head_size_problem(name: str, config) -> str | None:
+    """Why vLLM's CPU build cannot run model ``name`` (its ``config``), or None: its attention
+    kernels take only the head sizes :data:`VLLM_CPU_HEAD_SIZES`."""
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if int(head) in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (
+        f"vLLM's CPU build cannot run '{name}': its attention head size is {head}, and vLLM's CPU attention takes only "
+        f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; use rollout.backend = 'hf'"
+    )
+
+
 def torch_dtype_name(dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the name vLLM's ``dtype`` argument takes."""
     return str(dtype).removeprefix("torch.")
@@ -289,6 +306,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype = torch_dtype_name(self.llm.llm_engine.model_config.dtype)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if self.dtype != dtype:
+            self._shutdown()
             raise RuntimeError(
                 f"vLLM runs the student in {self.dtype}, the HF student is in {dtype}: the two engines would sample different "
                 "distributions; set model.dtype to one that both support on this host"
@@ -340,11 +358,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs.append(sampled_logprobs(completion.token_ids, completion.logprobs))
         return Rollouts([list(p) for p in prompts], responses, capped, finish_reasons=reasons, logprobs=logprobs if self.logprobs else None)
 
-    def close(self) -> None:
-        """Stop vLLM's engine process now (not at interpreter exit, when logging is gone) and
-        remove the adapter folders this engine wrote."""
+    def _shutdown(self) -> None:
+        """Stop vLLM's engine process now (not at interpreter exit, when logging is gone)."""
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+    def close(self) -> None:
+        """Stop vLLM's engine process and remove the adapter folders this engine wrote."""
+        self._shutdown()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

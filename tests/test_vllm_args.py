@@ -318,3 +318,20 @@ def test_an_engine_that_runs_another_dtype_than_the_hf_student_is_refused(monkey
         VLLMRolloutEngine(
             "/m", ["a.lora_A.weight"], lora_config(LoraSettings(rank=4)), max_model_len=8, dtype="float16", workdir=tmp_path, platform="cuda"
         )
+
+
+def test_vllms_cpu_build_refuses_head_sizes_its_attention_does_not_take():
+    """vllm/v1/attention/backends/cpu_attn.py: 32, 64, ...; the tiny models' 16 failed at the first forward."""
+    import types
+
+    from fedopd.rollout_vllm import cpu_head_size_problem
+
+    sandbox = types.SimpleNamespace(head_dim=32, hidden_size=128, num_attention_heads=4)
+    tiny = types.SimpleNamespace(head_dim=16, hidden_size=64, num_attention_heads=4)
+    qwen3 = types.SimpleNamespace(head_dim=128, hidden_size=1024, num_attention_heads=16)  # Qwen3-0.6B-Base config.json
+    assert cpu_head_size_problem("s", sandbox) is None and cpu_head_size_problem("q", qwen3) is None
+    assert cpu_head_size_problem("builtin:tiny-student", tiny).startswith(
+        "vLLM's CPU build cannot run 'builtin:tiny-student': its attention head size is 16"
+    )
+    no_head_dim = types.SimpleNamespace(hidden_size=64, num_attention_heads=4)  # head size = hidden / heads
+    assert "head size is 16" in cpu_head_size_problem("m", no_head_dim)

@@ -402,3 +402,12 @@ def test_a_base_style_student_stops_at_the_pairs_stop_set_not_vllms_eos(base_eng
 def test_both_engines_run_the_student_in_one_dtype(engine, student):
     assert engine.dtype == "float32" == str(student.dtype).removeprefix("torch.")
     assert engine.max_model_len == 512  # what the test asked for: the sandbox student's positions
+
+
+@pytest.mark.skipif(vllm_platform() != "cpu", reason="vLLM's CPU build only")
+def test_the_cpu_build_refuses_a_head_size_its_attention_lacks_before_starting(tiny_pair):
+    """The tiny models' head size 16: vLLM would start and then fail at the first forward."""
+    from fedopd.rollout import make_rollout_engine
+
+    with pytest.raises(ValueError, match="its attention head size is 16"):
+        make_rollout_engine("vllm", tiny_pair[0], max_model_len=256, gpu_memory_utilization=0.1)
