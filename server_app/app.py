@@ -4,7 +4,9 @@ Everything that can be checked is checked before round 1 (run config, model name
 stops the run with a message naming the key, and no run folder or adapter is created.
 A run in which no client returns a valid update in round 1, or in ``max-failed-rounds``
 consecutive rounds, stops after recording that round: ``status.json`` says ``failed`` with the
-clients' own error messages and their node ids, and the ServerApp raises (:class:`RunFailed`).
+clients' own error messages (each one's root cause's line, :func:`server_app.error_lines.root_cause`)
+and their node ids, and the ServerApp raises (:class:`RunFailed`). The full text of every error
+reply is in the run folder's ``client-errors.log``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal
 from fedopd.procinfo import rss_mb
 from fedopd.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
+from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
 from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
@@ -67,10 +70,11 @@ ERROR_REPLY = "error reply: "
 
 def failure_reasons(excluded: list[dict]) -> str:
     """The round's ``excluded`` entries, one per distinct reason with its node ids:
-    ``node 1, 2: ModelLoadError: ...; node 3: train: no reply before the timeout``."""
+    ``node 1, 2: ModelLoadError: ...; node 3: train: no reply before the timeout``; an error
+    reply's reason is its root cause's line (the full text is in ``client-errors.log``)."""
     nodes: dict[str, list[int]] = {}
     for entry in excluded:
-        reason = str(entry.get("reason", "?"))
+        reason = reason_line(entry.get("reason", "?"))
         reason = reason[len(ERROR_REPLY) :] if reason.startswith(ERROR_REPLY) else reason
         nodes.setdefault(reason, []).append(int(entry["node-id"]))
     if not nodes:
@@ -148,6 +152,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
+    grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
     run.write_status("running", done)
     try:

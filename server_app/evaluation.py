@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from fedtops_strategy.screening import WEIGHT_KEY, missing_replies, reply_nodes
+from server_app.error_lines import root_cause
 
 EVALUATE = "evaluate"
 
@@ -89,7 +90,7 @@ def evaluate_round(
 
 def _parse(msg: Message) -> tuple[str | None, dict[str, Any]]:
     if msg.has_error():
-        return f"error reply: {msg.error.reason}", {}
+        return f"error reply: {root_cause(msg.error.reason)}", {}
     records: Iterable = list(msg.content.metric_records.values())
     if len(records) != 1:
         return "expected one MetricRecord", {}

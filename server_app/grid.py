@@ -10,6 +10,11 @@ wrapped Grid's.
 It also measures each phase's traffic: the bytes of every message it sends (before the push) and
 of every reply it returns, per node (:mod:`server_app.traffic`), kept in :attr:`PromptGrid.last_traffic`
 until the next ``send_and_receive``.
+
+With ``on_error`` set, an error reply's reason is handed to it whole (with the round, the node the
+message went to and its type) and the reply goes on with its root cause's line only
+(:func:`server_app.error_lines.root_cause`): the strategies' exclusions, ``rounds.jsonl``,
+``status.json`` and the log lines say what happened in one line, the run folder keeps the full text.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 from flwr.serverapp import Grid
 
+from server_app.error_lines import root_cause
 from server_app.traffic import phase_traffic, sent_bytes
 
 FIRST_POLL_S = 0.05
@@ -29,13 +35,22 @@ MAX_POLL_S = 0.25
 class PromptGrid(Grid):
     """``on_reply(message)``, when set, is called for each reply as it is taken (progress lines).
 
+    ``on_error(server_round, node_id, message_type, reason)``, when set, is called first for each
+    error reply with its full reason, which the reply then carries cut to its root cause's line.
+
     ``last_traffic``: the last ``send_and_receive``'s bytes per node, sorted by node id
     (``[{"node-id", "sent", "received"}]``, :func:`server_app.traffic.phase_traffic`).
     """
 
-    def __init__(self, grid: Grid, on_reply: Callable[[Message], None] | None = None) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        on_reply: Callable[[Message], None] | None = None,
+        on_error: Callable[[int | None, int, str, str], None] | None = None,
+    ) -> None:
         self.grid = grid.grid if isinstance(grid, PromptGrid) else grid
         self.on_reply = on_reply
+        self.on_error = on_error
         self.last_traffic: list[dict[str, int]] = []
 
     def set_run(self, run_id: int) -> None:
@@ -66,14 +81,17 @@ class PromptGrid(Grid):
         ids = list(self.push_messages(messages))  # in order; None (or none at all) for one not pushed
         pushed = [(m, size) for m, size, i in zip(messages, sizes, ids) if i is not None]
         pending = {i for i in ids if i is not None}
+        sent = {i: m for m, i in zip(messages, ids) if i is not None}
         end = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
         poll = FIRST_POLL_S
         while pending:
             got = list(self.pull_messages(pending))
             replies.extend(got)
-            if self.on_reply is not None:
-                for msg in got:
+            for msg in got:
+                if self.on_error is not None and msg.has_error():
+                    self._record_error(msg, sent.get(msg.metadata.reply_to_message_id))
+                if self.on_reply is not None:
                     self.on_reply(msg)
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending:
@@ -86,5 +104,30 @@ class PromptGrid(Grid):
         self.last_traffic = phase_traffic([m for m, _ in pushed], replies, [size for _, size in pushed])
         return replies
 
+    def _record_error(self, reply: Message, message: Message | None) -> None:
+        """Hand ``reply``'s full reason to ``on_error`` and leave its root cause's line in the reply.
+
+        The node and type are the sent message's (an error reply that the SuperLink writes for a
+        node it lost comes from the SuperLink, with a system message type)."""
+        reason = reply.error.reason or ""
+        node = int(message.metadata.dst_node_id) if message is not None else int(reply.metadata.src_node_id)
+        phase = message.metadata.message_type if message is not None else reply.metadata.message_type
+        self.on_error(message_round(message), node, phase, reason)
+        line = root_cause(reason)
+        if line != reason:
+            reply.error = Error(code=reply.error.code, reason=line)
+
     def __getattr__(self, name: str):
         return getattr(self.grid, name)
+
+
+def message_round(message: Message | None) -> int | None:
+    """The server round a sent message belongs to: its config's ``server-round`` (train, score
+    and evaluate messages carry it), else its numeric group id, else None."""
+    if message is None:
+        return None
+    try:
+        return int(message.content["config"]["server-round"])
+    except Exception:  # noqa: BLE001 - a message without that config
+        group = str(message.metadata.group_id)
+        return int(group) if group.isdigit() else None

@@ -11,6 +11,7 @@ from logging import INFO
 
 from flwr.common.logger import log
 
+from server_app.error_lines import root_cause
 from server_app.traffic import human_bytes
 
 
@@ -23,9 +24,10 @@ def evaluation_summary(evaluation: dict | None) -> str:
 
 
 def reply_summary(msg) -> str | None:
-    """One progress line for a client's reply, as it arrives: what it did, with counts and times."""
+    """One progress line for a client's reply, as it arrives: what it did, with counts and times;
+    for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`)."""
     if msg.has_error():
-        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {msg.error.reason[:200]}"
+        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {root_cause(msg.error.reason)}"
     records = list(msg.content.metric_records.values())
     if len(records) != 1:
         return None

@@ -1,4 +1,5 @@
-"""The run folder: ``config.json``, ``rounds.jsonl`` and ``round-NNN/`` PEFT adapters.
+"""The run folder: ``config.json``, ``rounds.jsonl``, ``status.json``, ``round-NNN/`` PEFT adapters
+and ``client-errors.log`` (the full text of the clients' error replies).
 
 One folder per run under ``output-dir``; an existing folder is never reused or overwritten.
 """
@@ -11,13 +12,16 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.common.logger import log
 
 from fedopd.config import RunConfig
 from fedopd.lora import save_adapter
+from server_app.error_lines import root_cause
 
 
 def _jsonable(value: Any) -> Any:
@@ -129,6 +133,25 @@ class RunFolder:
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         os.replace(tmp, self.path / STATUS)
 
+    def log_client_error(self, server_round: int | None, node_id: int, phase: str, reason: str) -> None:
+        """Append one client error reply to ``client-errors.log``: a header line (UTC time, round,
+        node id, phase: the message type, and the root cause's line that ``status.json``,
+        ``rounds.jsonl`` and the log lines show), then the reason whole, as the runtime delivered it
+        (in simulation: Ray's traceback), then a blank line. A failed write is logged, never raised."""
+        file = self.path / CLIENT_ERRORS
+        first = not file.exists()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        text = str(reason).rstrip("\n")
+        entry = f"=== {stamp} round {server_round if server_round is not None else '?'} node {node_id} {phase}: {root_cause(text)}\n{text}\n\n"
+        try:
+            with open(file, "a", encoding="utf-8", errors="replace") as f:
+                f.write(entry)
+        except OSError as err:
+            log(WARNING, "could not write %s: %s", file, err)
+            return
+        if first:
+            log(INFO, "the full text of client errors: %s", file.resolve())
+
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.path / "rounds.jsonl", "a") as f:
             f.write(json.dumps(_jsonable(record), sort_keys=True) + "\n")
@@ -141,6 +164,7 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
 
 
 STATUS = "status.json"
+CLIENT_ERRORS = "client-errors.log"  # the clients' error replies in full, one entry per reply
 
 
 def read_status(path: str | Path) -> dict[str, Any]:

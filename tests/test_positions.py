@@ -16,6 +16,9 @@ QWEN3_8B = {"model_type": "qwen3", "max_position_embeddings": 40960, "rope_scali
 LLAMA31 = {"max_position_embeddings": 131072, "rope_scaling": {"factor": 8.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
 # lmsys/vicuna-7b-v1.5-16k: 4096 positions stretched 4x by linear RoPE scaling = 16384.
 VICUNA_16K = {"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0, "type": "linear"}}
+# CohereForAI/c4ai-command-r-v01: "max_position_embeddings": 8192, "model_max_length": 131072;
+# vLLM takes model_max_length where a config has it (derive_max_model_len_and_key, "Command-R").
+COMMAND_R = {"max_position_embeddings": 8192, "model_max_length": 131072}
 # openai-community/gpt2: "n_positions": 1024.
 GPT2 = {"n_positions": 1024, "n_ctx": 1024}
 
@@ -28,6 +31,7 @@ GPT2 = {"n_positions": 1024, "n_ctx": 1024}
         (LLAMA31, (131072, "max_position_embeddings")),
         (VICUNA_16K, (16384, "max_position_embeddings x rope factor 4")),
         (GPT2, (1024, "n_positions")),
+        (COMMAND_R, (131072, "model_max_length")),
         ({"max_position_embeddings": 4096, "seq_length": 2048}, (2048, "seq_length")),  # the smallest key wins
         ({"text_config": {"max_position_embeddings": 8192}, "max_position_embeddings": 99}, (8192, "max_position_embeddings")),
         ({"hidden_size": 8}, (None, None)),
