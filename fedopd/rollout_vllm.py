@@ -235,6 +235,17 @@ def finished(
     )
 
 
+def engine_start_failure(message: str, platform: str, gpu_memory_utilization: float) -> str:
+    """The error of a vLLM engine process that failed to start, whose cause vLLM printed to the
+    client's log rather than raised (``message``: vLLM's own ``RuntimeError``)."""
+    memory = "the host's memory" if platform == "cpu" else "the GPU"
+    return (
+        f"vLLM's engine process failed to start ({message.split('. ')[0].strip()}); vLLM printed the cause in this client's log. "
+        f"Most often too little memory: rollout.gpu-memory-utilization = {gpu_memory_utilization:g} of {memory} must hold the "
+        "weights and a KV cache (raise it, or lower data.max-prompt-tokens / rollout.max-new-tokens)"
+    )
+
+
 def sampled_logprobs(token_ids: Sequence[int], per_position) -> list[float]:
     """The log-probability of each sampled token from vLLM's ``CompletionOutput.logprobs`` (one
     ``{token id: Logprob}`` dict per position, holding at least the sampled token)."""
@@ -302,7 +313,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self.lora_config = lora_config
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.logprobs = bool(logprobs)
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except RuntimeError as err:
+            if "Engine core initialization failed" not in str(err):
+                raise
+            # vLLM's engine process printed why to this process's log; the exception says only that
+            # it failed. One line that points there (and no chain: the run's error shows this line).
+            raise RuntimeError(engine_start_failure(str(err), self.platform, gpu_memory_utilization)) from None
         self.dtype = torch_dtype_name(self.llm.llm_engine.model_config.dtype)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if self.dtype != dtype:

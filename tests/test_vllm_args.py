@@ -335,3 +335,27 @@ def test_vllms_cpu_build_refuses_head_sizes_its_attention_does_not_take():
     )
     no_head_dim = types.SimpleNamespace(hidden_size=64, num_attention_heads=4)  # head size = hidden / heads
     assert "head size is 16" in cpu_head_size_problem("m", no_head_dim)
+
+
+def test_an_engine_process_that_fails_to_start_says_where_the_cause_is(monkeypatch, tmp_path):
+    """vLLM raises only 'Engine core initialization failed. See root cause above.' in the client;
+    the cause (e.g. too little memory for the KV cache) is in the engine process's log."""
+    from fedopd.config import LoraSettings
+    from fedopd.models import lora_config
+    from fedopd.rollout_vllm import VLLMRolloutEngine
+
+    fake = _FakeVLLM()
+
+    def refuse(**kwargs):
+        raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}")
+
+    fake.modules["vllm"].LLM = refuse
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(RuntimeError) as err:
+        VLLMRolloutEngine(
+            "/m", ["a.lora_A.weight"], lora_config(LoraSettings(rank=4)), max_model_len=8, dtype="float32", workdir=tmp_path, platform="cpu"
+        )
+    assert str(err.value).startswith("vLLM's engine process failed to start (Engine core initialization failed); vLLM printed the cause")
+    assert "rollout.gpu-memory-utilization = 0.3 of the host's memory" in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # one line, no chain
