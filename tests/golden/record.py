@@ -1,16 +1,19 @@
 """Record what the default (sandbox) and tiny presets produce, to pin behaviour across refactors.
 
-    python tests/golden/record.py        # writes tests/golden/<preset>.json
+    python tests/golden/record.py        # writes tests/golden/<preset>/<platform>.json
 
 Each file holds the sha256 of every saved adapter and the round records without timings, with the
-CPU and library versions they were made with: fp32 kernels round differently on other CPUs and
-library versions, so tests/test_golden_runs.py compares only where those match.
+CPU, its vector instructions as torch dispatches them, and the library versions they were made
+with: fp32 kernels round differently on other CPUs and library versions, so
+tests/test_golden_runs.py compares only against a file made on this platform. Record on a new
+platform from a commit whose results are trusted (the one before the change to be checked).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +50,17 @@ def platform_key() -> dict[str, str]:
         if Path("/proc/cpuinfo").exists()
         else "unknown"
     )
-    return {"cpu": cpu, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"cpu": cpu, "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def platform_slug(platform: dict[str, str]) -> str:
+    """A file name for ``platform``: its values, lower case, non-alphanumerics as '-'."""
+    text = "_".join(platform[k] for k in ("cpu", "capability", "torch", "transformers"))
+    return re.sub(r"[^a-z0-9.+_]+", "-", text.lower()).strip("-")
+
+
+def golden_path(preset: str, platform: dict[str, str]) -> Path:
+    return HERE / preset / f"{platform_slug(platform)}.json"
 
 
 def without_timings(value):
@@ -84,8 +97,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             run = run_preset(preset, tmp)
             out = {"platform": platform_key(), **fingerprint(run)}
-        (HERE / f"{preset}.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-        print(f"{preset}: {len(out['adapters'])} adapters, {len(out['records'])} records")
+        path = golden_path(preset, out["platform"])
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        print(f"{preset}: {len(out['adapters'])} adapters, {len(out['records'])} records -> {path.relative_to(REPO)}")
     return 0
 
 
