@@ -69,6 +69,7 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0) -> 
     try:
         strategy = STRATEGIES[cfg.name](cfg, common)
         strategy.sampling_seed = seed
+        strategy.num_partitions = num_clients  # a reply's partition-id is in [0, num_clients) (fedtops_strategy/schema.py)
         return strategy
     finally:
         flwr_logger.setLevel(level)

@@ -17,7 +17,7 @@ the strategy's name (``client_app/handlers.py`` reads it):
 
 from __future__ import annotations
 
-import math
+import copy
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -25,16 +25,16 @@ from logging import WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from fedopd.lora import Named, aggregation_errors_from_gram, aggregation_gram, check_compatible, from_record
+from fedtops_strategy.schema import WEIGHT_KEY, train_metrics_problem
 
-WEIGHT_KEY = "num-examples"
 
-
-def reply_problem(content, reference: ArrayRecord) -> str | None:
-    """Why a train reply cannot be averaged with θ_t (``reference``), or None."""
+def reply_problem(content, reference: ArrayRecord, num_partitions: int | None = None) -> str | None:
+    """Why a train reply cannot be averaged with θ_t (``reference``), or None: its arrays, and its
+    metrics against the train schema (:func:`fedtops_strategy.schema.train_metrics_problem`)."""
     if len(content.array_records) != 1 or len(content.metric_records) != 1:
         return f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} and {len(content.metric_records)}"
     arrays = next(iter(content.array_records.values()))
@@ -46,11 +46,17 @@ def reply_problem(content, reference: ArrayRecord) -> str | None:
         return f"its arrays cannot be decoded ({err})"
     if problem:
         return problem
-    metrics = next(iter(content.metric_records.values()))
-    weight = metrics.get(WEIGHT_KEY)
-    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-        return f"'{WEIGHT_KEY}' is {weight!r}, expected a positive number"
-    return None
+    return train_metrics_problem(dict(next(iter(content.metric_records.values())).items()), num_partitions)
+
+
+def aggregation_view(message: Message) -> Message:
+    """A screened train reply as Flower's aggregation sees it: its one ArrayRecord and only the
+    weight. A client's other metrics (a newer client's extra key, a list) can then never trip
+    Flower's ``validate_message_reply_consistency``; they stay in the round record."""
+    arrays = next(iter(message.content.array_records.values()))
+    weight = next(iter(message.content.metric_records.values()))[WEIGHT_KEY]
+    content = RecordDict({"arrays": arrays, "metrics": MetricRecord({WEIGHT_KEY: weight})})
+    return Message(content=content, metadata=copy.copy(message.metadata))
 
 
 def client_metrics(message: Message) -> dict[str, Any]:
@@ -107,6 +113,7 @@ class ReplyScreening:
     builds_scoring_cache = False
     averages_factors = True  # records the aggregation error of averaging the LoRA factors
     sampling_seed = 0  # the run's seed (make_strategy): which nodes round t samples
+    num_partitions: int | None = None  # partition ids a reply may carry: [0, n) (make_strategy); None: any >= 0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -161,7 +168,7 @@ class ReplyScreening:
         replies = list(replies)
         excluded.extend(missing_replies(self._sent, replies, "train"))
         for msg, node in zip(replies, reply_nodes(self._sent, replies)):
-            problem = f"error reply: {msg.error.reason}" if msg.has_error() else reply_problem(msg.content, self._theta)
+            problem = f"error reply: {msg.error.reason}" if msg.has_error() else reply_problem(msg.content, self._theta, self.num_partitions)
             if problem:
                 log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)
                 excluded.append({"node-id": node, "reason": problem})
@@ -187,7 +194,7 @@ class ReplyScreening:
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         kept = self.screen_train_replies(server_round, replies)
-        arrays, metrics = super().aggregate_train(server_round, kept)
+        arrays, metrics = super().aggregate_train(server_round, [aggregation_view(m) for m in kept])
         record = self.records[server_round]
         record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
         self._aggregation = None

@@ -247,6 +247,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 timeout=cfg.timeout.evaluate,
                 fraction=cfg.eval.fraction,
                 seed=cfg.seed,
+                num_partitions=strategy.num_partitions,
             )
             record["eval_seconds"] = time.perf_counter() - started
             traffic["evaluate"] = grid.last_traffic

@@ -8,7 +8,6 @@ for Local the plain mean over clients ("Local mean"). Per-client values are kept
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Iterable
 from logging import WARNING
@@ -17,6 +16,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
+from fedtops_strategy.schema import evaluate_metrics_problem
 from fedtops_strategy.screening import WEIGHT_KEY, missing_replies, reply_nodes
 from server_app.error_lines import root_cause
 
@@ -56,6 +56,7 @@ def evaluate_round(
     timeout: float,
     fraction: float = 1.0,
     seed: int = 0,
+    num_partitions: int | None = None,
 ) -> dict[str, Any] | None:
     """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
 
@@ -74,7 +75,7 @@ def evaluate_round(
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     excluded = missing_replies(messages, replies, "evaluate")
     for msg, node in zip(replies, reply_nodes(messages, replies)):
-        problem, metrics = _parse(msg)
+        problem, metrics = _parse(msg, num_partitions)
         if problem:
             log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, node, problem)
             excluded.append({"node-id": node, "reason": problem})
@@ -88,16 +89,13 @@ def evaluate_round(
     return out
 
 
-def _parse(msg: Message) -> tuple[str | None, dict[str, Any]]:
+def _parse(msg: Message, num_partitions: int | None = None) -> tuple[str | None, dict[str, Any]]:
+    """(why the reply is left out, or None; its metrics), against the evaluate schema (:mod:`fedtops_strategy.schema`)."""
     if msg.has_error():
         return f"error reply: {root_cause(msg.error.reason)}", {}
     records: Iterable = list(msg.content.metric_records.values())
     if len(records) != 1:
         return "expected one MetricRecord", {}
     metrics = dict(next(iter(records)).items())
-    weight = metrics.get(WEIGHT_KEY)
-    if "accuracy" not in metrics or not isinstance(weight, (int, float)) or weight <= 0:
-        return f"expected 'accuracy' and a positive '{WEIGHT_KEY}'", {}
-    if any(isinstance(v, float) and not math.isfinite(v) for v in metrics.values()):
-        return "a metric is not finite", {}
-    return None, metrics
+    problem = evaluate_metrics_problem(metrics, num_partitions)
+    return (problem, {}) if problem else (None, metrics)

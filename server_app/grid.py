@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from logging import WARNING
 
 from flwr.app import Error, Message, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from server_app.error_lines import root_cause
@@ -89,10 +91,7 @@ class PromptGrid(Grid):
             got = list(self.pull_messages(pending))
             replies.extend(got)
             for msg in got:
-                if self.on_error is not None and msg.has_error():
-                    self._record_error(msg, sent.get(msg.metadata.reply_to_message_id))
-                if self.on_reply is not None:
-                    self.on_reply(msg)
+                self._hooks(msg, sent.get(msg.metadata.reply_to_message_id))
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending:
                 break
@@ -103,6 +102,18 @@ class PromptGrid(Grid):
             poll = min(2 * poll, MAX_POLL_S)
         self.last_traffic = phase_traffic([m for m, _ in pushed], replies, [size for _, size in pushed])
         return replies
+
+    def _hooks(self, reply: Message, message: Message | None) -> None:
+        """``on_error`` and ``on_reply`` for one reply. They log and record; a reply that makes
+        them fail (whatever a client put in it) is logged and left to the phase's screening:
+        a hook never stops the run."""
+        try:
+            if self.on_error is not None and reply.has_error():
+                self._record_error(reply, message)
+            if self.on_reply is not None:
+                self.on_reply(reply)
+        except Exception as err:  # noqa: BLE001 - the reply is untrusted input
+            log(WARNING, "a reply from node %s could not be logged: %s: %s", reply.metadata.src_node_id, type(err).__name__, str(err)[:200])
 
     def _record_error(self, reply: Message, message: Message | None) -> None:
         """Hand ``reply``'s full reason to ``on_error`` and leave its root cause's line in the reply.

@@ -33,8 +33,8 @@ def reply_summary(msg) -> str | None:
         return None
     m = records[0]
     kind = msg.metadata.message_type
-    who = f"  client {int(m.get('partition-id', -1))}"
     try:
+        who = f"  client {int(m.get('partition-id', -1))}"
         if kind == "train":
             line = (
                 f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
@@ -51,7 +51,7 @@ def reply_summary(msg) -> str | None:
         if kind == "evaluate":
             sampled = " ".join(f"{key} {m[key]:.1f}%" for key in m if key.startswith(("avg@", "pass@")))
             return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # a reply the schema gate will leave out
         return None
     return None
 
