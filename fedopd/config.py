@@ -29,6 +29,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_STATES = ("persistent", "reset")
 PACKING = ("auto", "packed", "padded")
 PARTITIONERS = ("groups", "iid", "dirichlet", "natural")
+AGGREGATORS = ("fedavg", "median", "trimmed-mean", "krum", "multikrum")  # fedtops_strategy/aggregators.py
+SCORE_AGGREGATES = ("mean", "median", "trimmed-mean")  # fedtops_strategy/selection.py
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
 
 
@@ -113,6 +115,14 @@ class StrategySettings:
     trust_budget: float = 0.05
     fraction_train: float = 1.0  # Flower's fraction_train: the share of connected nodes sampled per round
     min_train_clients: int = 1  # Flower's min_train_nodes: the fewest nodes a round trains
+    # Robustness to clients the server does not control (docs/robustness.md); the defaults are the paper's.
+    aggregator: str = "fedavg"  # the average under fedavg, fixed and fedtops: Flower's FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum
+    trim_fraction: float = 0.2  # trimmed-mean (aggregator and score-aggregate): the share cut at each end
+    num_malicious: int = 0  # krum / multikrum: f, the nodes assumed malicious
+    clip_norm: float = 0.0  # 0 = off; else each update's norm is at most this × the round's median
+    max_weight: float = 0.0  # 0 = off; else each num-examples weight is at most this × the round's median
+    max_vetoes: int = 0  # a candidate stays feasible while at most this many clients' K̂ exceed δ (0: the paper's rule)
+    score_aggregate: str = "mean"  # Ĵ across clients: the num-examples-weighted mean (the paper's), median, trimmed-mean
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,8 @@ class TimeoutSettings:
     train: float = 3600.0
     score: float = 600.0
     evaluate: float = 3600.0
+    start: float = 3600.0  # the longest a round waits for the nodes it needs to be connected; then the run fails
+    skip_after: int = 2  # a node that timed out in this many consecutive rounds sits out as many rounds; 0 = never
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,7 @@ class RunConfig:
     num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
     max_failed_rounds: int = 3  # stop the run (failed) after this many consecutive rounds without a valid update
+    max_held_rounds: int = 0  # stop the run (failed) after this many consecutive held rounds (a = 0); 0 = never
     seed: int = 42
     output_dir: str = "runs"
     resume_from: str = ""  # a run folder to continue; "" = a new run
@@ -273,6 +286,7 @@ _key("num-server-rounds", "num_server_rounds", _int(1))
 _key("num-clients", "num_clients", _int(0))
 _key("seed", "seed", _int(0))
 _key("max-failed-rounds", "max_failed_rounds", _int(1))
+_key("max-held-rounds", "max_held_rounds", _int(0))
 _key("output-dir", "output_dir", _nonempty())
 _key("resume-from", "resume_from", (str, lambda v: True, "a run folder to continue, or '' for a new run"))
 _key("preset", "preset", _nonempty())
@@ -333,6 +347,21 @@ _key(
 _key("strategy.trust-budget", "strategy.trust_budget", (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"))
 _key("strategy.fraction-train", "strategy.fraction_train", _float(0.0, strict=True, hi=1.0))
 _key("strategy.min-train-clients", "strategy.min_train_clients", _int(1))
+_key("strategy.aggregator", "strategy.aggregator", _choice(AGGREGATORS))
+_key("strategy.trim-fraction", "strategy.trim_fraction", (float, lambda v: 0.0 <= v < 0.5, "a number >= 0 and < 0.5"))
+_key("strategy.num-malicious", "strategy.num_malicious", _int(0))
+_key(
+    "strategy.clip-norm",
+    "strategy.clip_norm",
+    (float, lambda v: v == 0 or (math.isfinite(v) and v >= 1), "0 (off), or a finite number >= 1 (a multiple of the round's median update norm)"),
+)
+_key(
+    "strategy.max-weight",
+    "strategy.max_weight",
+    (float, lambda v: v == 0 or (math.isfinite(v) and v >= 1), "0 (off), or a finite number >= 1 (a multiple of the round's median num-examples)"),
+)
+_key("strategy.max-vetoes", "strategy.max_vetoes", _int(0))
+_key("strategy.score-aggregate", "strategy.score_aggregate", _choice(SCORE_AGGREGATES))
 _key("cache.rollouts", "cache.rollouts", _int(1))
 _key("cache.positions", "cache.positions", _int(1))
 _key("cache.top-k", "cache.top_k", _int(1))
@@ -346,13 +375,24 @@ _key("eval.fraction", "eval.fraction", _float(0.0, strict=True, hi=1.0))
 _key("timeout.train", "timeout.train", _float(0.0, strict=True))
 _key("timeout.score", "timeout.score", _float(0.0, strict=True))
 _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
+_key("timeout.start", "timeout.start", _float(0.0, strict=True))
+_key("timeout.skip-after", "timeout.skip_after", _int(0))
 _key("logging.tensorboard", "logging.tensorboard", _bool())
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
 # Keys that may differ between a run and its resumption: they change no adapter and no record.
 # num-server-rounds may grow (the remaining rounds then follow the longer cosine schedule).
-RESUME_FREE_KEYS = ("num-server-rounds", "resume-from", "output-dir", "timeout.train", "timeout.score", "timeout.evaluate", "logging.tensorboard")
+RESUME_FREE_KEYS = (
+    "num-server-rounds",
+    "resume-from",
+    "output-dir",
+    "timeout.train",
+    "timeout.score",
+    "timeout.evaluate",
+    "timeout.start",
+    "logging.tensorboard",
+)
 
 
 def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
@@ -491,10 +531,40 @@ def _check_cross(cfg: RunConfig) -> None:
                 check_vllm_sampling(value, key)
             except ValueError as err:
                 raise ConfigError(f"run config '{key}' = {value!r} is invalid with 'rollout.backend' = {cfg.rollout.backend!r}: {err}") from None
+    _check_robustness(cfg)
     if cfg.cache.rollouts > cfg.rollout.per_round:
         raise ConfigError(
             f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "
             f"{cfg.rollout.per_round}; allowed: at most the number of rollouts per round"
+        )
+
+
+# Strategies that average client updates (the robustness keys act on that average).
+AVERAGING_STRATEGIES = ("fedavg", "fixed", "fedtops")
+
+
+def _check_robustness(cfg: RunConfig) -> None:
+    """The robustness keys make sense only where updates are averaged, or scored (FedTOPS)."""
+    s, base = cfg.strategy, StrategySettings()
+    if s.name not in AVERAGING_STRATEGIES:
+        for key, attr in (("strategy.aggregator", "aggregator"), ("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")):
+            if getattr(s, attr) != getattr(base, attr):
+                raise ConfigError(
+                    f"run config '{key}' = {getattr(s, attr)!r} acts on the average of client updates, which "
+                    f"'strategy.name' = {s.name!r} does not form; allowed: its default {getattr(base, attr)!r}, "
+                    f"or strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}"
+                )
+    if s.name != "fedtops":
+        for key, attr in (("strategy.max-vetoes", "max_vetoes"), ("strategy.score-aggregate", "score_aggregate")):
+            if getattr(s, attr) != getattr(base, attr):
+                raise ConfigError(
+                    f"run config '{key}' = {getattr(s, attr)!r} acts on FedTOPS's score replies; allowed: its default "
+                    f"{getattr(base, attr)!r}, or strategy.name = 'fedtops'"
+                )
+    if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
+        raise ConfigError(
+            f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "
+            f"'strategy.aggregator' one of 'krum', 'multikrum' (now {s.aggregator!r})"
         )
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from fedopd.config import StrategySettings
+from fedopd.config import StrategySettings, TimeoutSettings
+from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
@@ -31,7 +32,14 @@ StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
 STRATEGIES: dict[str, StrategyBuilder] = {
     "fedavg": lambda cfg, common: LoRAFedAvg(**common),
     "fixed": lambda cfg, common: FixedMultiplier(cfg.multiplier, **common),
-    "fedtops": lambda cfg, common: FedTOPS(candidates=cfg.candidates, trust_budget=cfg.trust_budget, **common),
+    "fedtops": lambda cfg, common: FedTOPS(
+        candidates=cfg.candidates,
+        trust_budget=cfg.trust_budget,
+        max_vetoes=cfg.max_vetoes,
+        score_aggregate=cfg.score_aggregate,
+        trim_fraction=cfg.trim_fraction,
+        **common,
+    ),
     "local": lambda cfg, common: LocalTraining(**common),
     "centralized": lambda cfg, common: Centralized(**common),
 }
@@ -43,7 +51,7 @@ def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
     return builder
 
 
-def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0) -> Strategy:
+def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0, timeouts: TimeoutSettings | None = None) -> Strategy:
     """The strategy registered as ``strategy.name``.
 
     Sampling is Flower's ``FedAvg``: each round trains ``max(int(fraction_train × connected),
@@ -51,6 +59,12 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0) -> 
     ``strategy.min-train-clients``; Centralized: one learner with the rollouts of that many). The
     first round waits until ``num_clients`` nodes are connected. The draw of round t depends only
     on ``seed``, t and the connected node ids (:meth:`ReplyScreening.configure_train`).
+
+    The robustness settings (``strategy.aggregator``, ``clip-norm``, ``max-weight``; ``timeouts``'s
+    ``start`` and ``skip-after``) are set on every strategy built on ReplyScreening
+    (docs/robustness.md); ``timeouts`` None: no start deadline, no skipping. A reply's
+    ``partition-id`` must be below ``num_clients`` (``num_partitions``); the ServerApp also sets
+    ``max_examples``, the most ``num-examples`` a train reply may claim.
     """
     if cfg.name not in STRATEGIES:
         allowed = ", ".join(repr(n) for n in STRATEGIES)
@@ -70,6 +84,10 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0) -> 
         strategy = STRATEGIES[cfg.name](cfg, common)
         strategy.sampling_seed = seed
         strategy.num_partitions = num_clients  # a reply's partition-id is in [0, num_clients) (fedtops_strategy/schema.py)
+        strategy.aggregator = make_aggregator(cfg)
+        strategy.clip_norm, strategy.max_weight = cfg.clip_norm, cfg.max_weight
+        if timeouts is not None:
+            strategy.start_timeout, strategy.skip_after = timeouts.start, timeouts.skip_after
         return strategy
     finally:
         flwr_logger.setLevel(level)

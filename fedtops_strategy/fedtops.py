@@ -18,7 +18,11 @@ by the ServerApp's loop (``server_app/app.py``):
 3. evaluate: the app's held-out evaluation (``server_app/evaluation.py``).
 
 If no client answers the score query, FedTOPS falls back to a = 1 (FedAvg) and says so in the
-round record; if no candidate is feasible it holds (a = 0). If some client whose update is in Δ_t
+round record; if no candidate is feasible it holds (a = 0), logs a WARNING naming the nodes whose
+K̂ at a = 1 exceeded δ, and records why (``hold-reason``); every round records how many
+candidates each scored node vetoed (``veto-counts``). A score that is not finite makes that
+candidate infeasible for that client, which still counts as scored. Ĵ is weighted by the weights
+the train replies had in the average, never by what a score reply claims. If some client whose update is in Δ_t
 returned no valid scores, its trust constraint is unknown: a_t = min(selected, 1), and the round
 record keeps the uncapped choice (``selected-multiplier``), the cap (``multiplier-cap``) and those
 clients (``unscored-node-ids``). Driven by Flower's own ``Strategy.start``, which has no score
@@ -38,8 +42,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd import lora
-from fedtops_strategy.screening import WEIGHT_KEY, ReplyScreening, missing_replies, reply_nodes
-from fedtops_strategy.selection import select_round
+from fedtops_strategy.bounds import all_finite
+from fedtops_strategy.schema import WEIGHT_KEY
+from fedtops_strategy.screening import ReplyScreening, missing_replies, reply_nodes
+from fedtops_strategy.selection import select_round, vetoes
 
 SCORE_MESSAGE_TYPE = "query.score"
 DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
@@ -57,6 +63,12 @@ class FedTOPS(ReplyScreening, FedAvg):
         candidate with finite scores is feasible, and the lowest Ĵ wins.
     score_tol, feasibility_tol : float (default: 1e-9, 1e-8)
         Tolerances of the selection rule.
+    max_vetoes : int (default: 0)
+        A candidate stays feasible while at most this many clients' K̂ exceed δ (0: the paper's rule).
+    score_aggregate : str (default: "mean")
+        Ĵ across clients: ``mean`` (num-examples-weighted, the paper's), ``median``, ``trimmed-mean``.
+    trim_fraction : float (default: 0.2)
+        The share cut at each end by ``score_aggregate = "trimmed-mean"``.
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg` (sampling, record keys, ...).
     """
@@ -70,6 +82,9 @@ class FedTOPS(ReplyScreening, FedAvg):
         trust_budget: float = 0.05,
         score_tol: float = 1e-9,
         feasibility_tol: float = 1e-8,
+        max_vetoes: int = 0,
+        score_aggregate: str = "mean",
+        trim_fraction: float = 0.2,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -81,6 +96,9 @@ class FedTOPS(ReplyScreening, FedAvg):
         self.trust_budget = float(trust_budget)
         self.score_tol = score_tol
         self.feasibility_tol = feasibility_tol
+        self.max_vetoes = int(max_vetoes)
+        self.score_aggregate = score_aggregate
+        self.trim_fraction = float(trim_fraction)
         self.increment: ArrayRecord | None = None  # Δ_t of the round last aggregated (None: no update)
         self._scored_increment: ArrayRecord | None = None  # the Δ_t the score query carried
         self._score_sent: list[Message] = []
@@ -90,7 +108,8 @@ class FedTOPS(ReplyScreening, FedAvg):
         log(INFO, "\t├──> FedTOPS settings:")
         log(INFO, "\t│\t├── Candidates: %s", list(self.candidates))
         log(INFO, "\t│\t├── Trust budget δ: %s", self.trust_budget)
-        log(INFO, "\t│\t└── Tolerances: score %g | feasibility %g", self.score_tol, self.feasibility_tol)
+        log(INFO, "\t│\t├── Tolerances: score %g | feasibility %g", self.score_tol, self.feasibility_tol)
+        log(INFO, "\t│\t└── Vetoes allowed: %d | Ĵ across clients: %s", self.max_vetoes, self.score_aggregate)
         super().summary()
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -127,21 +146,28 @@ class FedTOPS(ReplyScreening, FedAvg):
         scores = self._valid_scores(server_round, list(replies), nodes)
         record["score_seconds"] = time.perf_counter() - self._score_started
         record["candidates"] = list(self.candidates)
-        record["scored-node-ids"] = [node for node, _, _, _ in scores]
-        record["change_scores"] = [k for _, _, k, _ in scores]
-        record["client_teacher_scores"] = [j for _, j, _, _ in scores]
+        record["scored-node-ids"] = [node for node, _, _ in scores]
+        change_scores = [k for _, _, k in scores]
+        client_teacher_scores = [j for _, j, _ in scores]
+        record["change_scores"] = [_finite_or_none(k) for k in change_scores]
+        record["client_teacher_scores"] = [_finite_or_none(j) for j in client_teacher_scores]
         scored = set(record["scored-node-ids"])
         record["unscored-node-ids"] = [n for n in nodes if n not in scored]
+        veto = vetoes(change_scores, self.trust_budget, len(self.candidates), self.feasibility_tol)
+        record["veto-counts"] = [sum(row) for row in veto]
 
         selection = select_round(
             self.candidates,
-            record["client_teacher_scores"],
-            record["change_scores"],
-            [w for _, _, _, w in scores],
+            client_teacher_scores,
+            change_scores,
+            [self.client_weights[node] for node, _, _ in scores],  # the weights of the train replies
             self.trust_budget,
             all_scored=not record["unscored-node-ids"],
             score_tol=self.score_tol,
             feasibility_tol=self.feasibility_tol,
+            max_vetoes=self.max_vetoes,
+            score_aggregate=self.score_aggregate,
+            trim_fraction=self.trim_fraction,
         )
         if selection.fallback:
             log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
@@ -154,32 +180,50 @@ class FedTOPS(ReplyScreening, FedAvg):
                 selection.selected,
                 selection.cap,
             )
-        record["teacher_scores"] = selection.teacher_scores
+        if selection.multiplier == 0.0 and not selection.fallback:
+            reference = self.candidates.index(1.0) if 1.0 in self.candidates else min(range(len(self.candidates)), key=self.candidates.__getitem__)
+            blocking = [node for node, row in zip(record["scored-node-ids"], veto) if row[reference]]
+            record["hold-reason"] = (
+                f"no feasible candidate (δ = {self.trust_budget:g}, {self.max_vetoes} veto(es) allowed); "
+                f"K̂ at a = {self.candidates[reference]:g} exceeded δ at node(s) {', '.join(map(str, blocking)) or 'none'}"
+            )
+            record["hold-node-ids"] = blocking
+            log(WARNING, "round %d holds (a = 0): %s", server_round, record["hold-reason"])
+        record["teacher_scores"] = _finite_or_none(selection.teacher_scores)
         record["fallback"] = selection.fallback
         record["num-feasible"] = selection.num_feasible
         record["selected-multiplier"] = selection.selected
         record["multiplier-cap"] = selection.cap
         record["multiplier"] = selection.multiplier
 
-        new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), selection.multiplier)
-        self.record_aggregation_error(server_round, selection.multiplier)
-        metrics = MetricRecord({"multiplier": selection.multiplier, "num-feasible": selection.num_feasible})
-        if selection.teacher_scores is not None:
-            metrics["teacher-scores"] = selection.teacher_scores
+        multiplier = selection.multiplier
+        new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), multiplier)
+        if not all_finite(new):
+            log(WARNING, "round %d holds: θ_t + %g Δ_t is not finite (θ_t kept)", server_round, multiplier)
+            record["hold-reason"] = f"θ_t + {multiplier:g} Δ_t is not finite"
+            record["multiplier"] = multiplier = 0.0
+            new = self.theta_arrays()
+        self.record_aggregation_error(server_round, multiplier)
+        metrics = MetricRecord({"multiplier": multiplier, "num-feasible": selection.num_feasible})
         return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
 
-    def _valid_scores(self, server_round: int, replies: list[Message], nodes: list[int]) -> list[tuple[int, list[float], list[float], float]]:
-        """(node, Ĵ_i, K̂_i, weight) of every valid score reply, in the order of ``nodes``; the
-        others, and the clients that did not answer, go to the round's ``excluded``."""
+    def _valid_scores(self, server_round: int, replies: list[Message], nodes: list[int]) -> list[tuple[int, list[float], list[float]]]:
+        """(node, Ĵ_i, K̂_i) of every valid score reply from a node that was asked, in the order of
+        ``nodes``; the others, and the clients that did not answer, go to the round's ``excluded``."""
         excluded = self.records[server_round]["excluded"]
-        excluded.extend(missing_replies(self._score_sent, replies, "score"))
-        answers = []
+        missing = missing_replies(self._score_sent, replies, "score")
+        excluded.extend(missing)
+        self.note_timeouts(server_round, nodes, [e["node-id"] for e in missing])
+        answers, seen = [], set()
         for msg, node in zip(replies, reply_nodes(self._score_sent, replies)):
             problem, parsed = parse_score_reply(msg, len(self.candidates))
+            if not problem and (node not in self.client_weights or node in seen):
+                problem = "a second reply" if node in seen else "from a node that was not asked"
             if problem:
                 log(WARNING, "round %d: score reply of node %d ignored: %s", server_round, node, problem)
                 excluded.append({"node-id": node, "reason": f"score: {problem}"})
                 continue
+            seen.add(node)
             answers.append((node, *parsed))
         order = {n: i for i, n in enumerate(nodes)}
         return sorted(answers, key=lambda a: order.get(a[0], len(order)))
@@ -191,11 +235,16 @@ SCORE_NEGATIVE_TOL = 1e-6
 
 
 def clamp_scores(values: Sequence[float]) -> tuple[list[float] | None, str | None]:
-    """(values clamped at 0, None), or (None, the problem) for NaN, ±inf or a clearly negative value."""
+    """(values clamped at 0, None), or (None, the problem) for a value that is not a number or is
+    clearly negative. NaN and ±inf pass through as inf: that candidate is infeasible for the client
+    (:func:`parse_score_reply`)."""
     out = []
     for x in values:
-        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-            return None, f"score {x!r} is not a finite number"
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            return None, f"score {x!r} is not a number"
+        if not math.isfinite(x):
+            out.append(math.inf)
+            continue
         if x < -SCORE_NEGATIVE_TOL:
             return None, f"score {x!r} is negative beyond rounding (tolerance {SCORE_NEGATIVE_TOL:g}); a KL is >= 0"
         out.append(max(float(x), 0.0))
@@ -203,11 +252,13 @@ def clamp_scores(values: Sequence[float]) -> tuple[list[float] | None, str | Non
 
 
 def parse_score_reply(msg: Message, num_candidates: int):
-    """(problem, (teacher_scores, change_scores, weight)) of one score reply.
+    """(problem, (teacher_scores, change_scores)) of one score reply.
 
     Scores are KL divergences: rounding-level negatives (>= -1e-6) are clamped to 0, so that a
-    client whose candidate equals its starting student is never dropped; NaN, ±inf and clearly
-    negative values make the reply invalid.
+    client whose candidate equals its starting student is never dropped; clearly negative values
+    make the reply invalid. A NaN or ±inf Ĵ_i(a) or K̂_i(a) makes candidate a infeasible for this
+    client (both become inf) and the client still counts as scored. The reply's own weight is not
+    read: Ĵ is weighted by the client's train reply.
     """
     if msg.has_error():
         return f"error reply: {msg.error.reason}", None
@@ -215,15 +266,24 @@ def parse_score_reply(msg: Message, num_candidates: int):
     if len(records) != 1:
         return "expected one MetricRecord", None
     m: MetricRecord = records[0]
-    j, k, w = m.get("teacher-scores"), m.get("change-scores"), m.get(WEIGHT_KEY)
+    j, k = m.get("teacher-scores"), m.get("change-scores")
     if not isinstance(j, list) or not isinstance(k, list) or len(j) != num_candidates or len(k) != num_candidates:
         return f"expected {num_candidates} teacher and change scores", None
+    w = m.get(WEIGHT_KEY)
+    if w is not None and not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0 and float(w).is_integer()):
+        return f"'{WEIGHT_KEY}' is {w!r}: expected a positive integer (or none: Ĵ is weighted by the train reply)", None
     j, problem = clamp_scores(list(j))
     if problem:
         return f"teacher scores: {problem}", None
     k, problem = clamp_scores(list(k))
     if problem:
         return f"change scores: {problem}", None
-    if not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-        return f"'{WEIGHT_KEY}' is {w!r}, expected a positive number", None
-    return None, (j, k, float(w))
+    for a in range(num_candidates):
+        if math.isinf(j[a]) or math.isinf(k[a]):
+            j[a] = k[a] = math.inf
+    return None, (j, k)
+
+
+def _finite_or_none(values: Sequence[float] | None) -> list[float | None] | None:
+    """``values`` for the round record (JSON): a non-finite one as None."""
+    return None if values is None else [float(v) if math.isfinite(v) else None for v in values]

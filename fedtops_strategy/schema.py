@@ -6,7 +6,9 @@ with the reason; nothing here raises. Flower's ``MetricRecord`` already limits v
 floats and lists of them; on top of that:
 
 * every value is finite (a JSON record holds no NaN, an average no inf);
-* ``num-examples`` is a positive integer (an int, or a float with an integer value);
+* ``num-examples`` is a positive integer (an int, or a float with an integer value), no larger
+  than what a client can hold (``max_examples``: train, the whole prompt pool,
+  ``data.prompts-per-client`` × clients; evaluate, ``eval.prompts-per-client``);
 * ``partition-id``, where present (this app's clients always send it), is an integer in [0, n)
   for n partitions (n unknown: >= 0);
 * the metrics the server reads as numbers (:data:`TRAIN_SCALARS`, :data:`EVALUATE_SCALARS`) are
@@ -74,7 +76,7 @@ def _integer(value: Any) -> bool:
     return _real(value) and math.isfinite(value) and float(value).is_integer()
 
 
-def common_problem(metrics: Mapping[str, Any], num_partitions: int | None) -> str | None:
+def common_problem(metrics: Mapping[str, Any], num_partitions: int | None, max_examples: int | None = None) -> str | None:
     """The checks every phase shares: finite values, the weight and the partition id."""
     for key, value in metrics.items():
         if not _finite(value):
@@ -82,6 +84,8 @@ def common_problem(metrics: Mapping[str, Any], num_partitions: int | None) -> st
     weight = metrics.get(WEIGHT_KEY)
     if not (_integer(weight) and weight > 0):
         return f"'{WEIGHT_KEY}' is {_show(weight)}: expected a positive integer"
+    if max_examples and weight > max_examples:
+        return f"'{WEIGHT_KEY}' is {_show(weight)}: more than a client can hold ({max_examples})"
     if PARTITION_KEY in metrics:
         pid = metrics[PARTITION_KEY]
         upper = f", < {num_partitions}" if num_partitions else ""
@@ -90,9 +94,9 @@ def common_problem(metrics: Mapping[str, Any], num_partitions: int | None) -> st
     return None
 
 
-def train_metrics_problem(metrics: Mapping[str, Any], num_partitions: int | None = None) -> str | None:
+def train_metrics_problem(metrics: Mapping[str, Any], num_partitions: int | None = None, max_examples: int | None = None) -> str | None:
     """Why a train reply's metrics break the schema, or None."""
-    problem = common_problem(metrics, num_partitions)
+    problem = common_problem(metrics, num_partitions, max_examples)
     if problem:
         return problem
     for key in sorted(TRAIN_SCALARS & set(metrics)):
@@ -101,11 +105,11 @@ def train_metrics_problem(metrics: Mapping[str, Any], num_partitions: int | None
     return None
 
 
-def evaluate_metrics_problem(metrics: Mapping[str, Any], num_partitions: int | None = None) -> str | None:
+def evaluate_metrics_problem(metrics: Mapping[str, Any], num_partitions: int | None = None, max_examples: int | None = None) -> str | None:
     """Why an evaluate reply's metrics break the schema, or None."""
     if "accuracy" not in metrics:
         return "'accuracy' is missing"
-    problem = common_problem(metrics, num_partitions)
+    problem = common_problem(metrics, num_partitions, max_examples)
     if problem:
         return problem
     for key, value in metrics.items():

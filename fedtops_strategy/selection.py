@@ -22,10 +22,19 @@ import numpy as np
 HOLD = 0.0
 
 
-def feasible_indices(change_scores: Sequence[Sequence[float]], trust_budget: float, num_candidates: int, feasibility_tol: float = 1e-8) -> list[int]:
-    """Indices j with K_i(candidates[j]) <= trust_budget + tol for every client i (NaN: infeasible)."""
+def vetoes(change_scores: Sequence[Sequence[float]], trust_budget: float, num_candidates: int, feasibility_tol: float = 1e-8) -> list[list[bool]]:
+    """vetoes[i][j]: client i's K_i(candidates[j]) exceeds trust_budget + tol (NaN, inf: a veto)."""
     limit = trust_budget + feasibility_tol
-    return [j for j in range(num_candidates) if all(row[j] <= limit for row in change_scores)]
+    return [[not row[j] <= limit for j in range(num_candidates)] for row in change_scores]
+
+
+def feasible_indices(
+    change_scores: Sequence[Sequence[float]], trust_budget: float, num_candidates: int, feasibility_tol: float = 1e-8, max_vetoes: int = 0
+) -> list[int]:
+    """Indices j with K_i(candidates[j]) <= trust_budget + tol for every client i but at most
+    ``max_vetoes`` of them (0: every client, the paper's rule; NaN: a veto)."""
+    v = vetoes(change_scores, trust_budget, num_candidates, feasibility_tol)
+    return [j for j in range(num_candidates) if sum(row[j] for row in v) <= max_vetoes]
 
 
 def select_multiplier(
@@ -36,6 +45,7 @@ def select_multiplier(
     *,
     score_tol: float = 1e-9,
     feasibility_tol: float = 1e-8,
+    max_vetoes: int = 0,
 ) -> float:
     """The multiplier a_t for this round; 0.0 means hold.
 
@@ -53,7 +63,7 @@ def select_multiplier(
         if len(row) != n:
             raise ValueError(f"select_multiplier: client {i} has {len(row)} change scores for {n} candidates")
 
-    feasible = feasible_indices(change_scores, trust_budget, n, feasibility_tol)
+    feasible = feasible_indices(change_scores, trust_budget, n, feasibility_tol, max_vetoes)
     if not feasible:
         return HOLD
 
@@ -85,6 +95,29 @@ def weighted_teacher_scores(client_teacher_scores: Sequence[Sequence[float]], we
     return ((w[:, None] * j).sum(0) / w.sum()).tolist()
 
 
+def robust_teacher_scores(client_teacher_scores: Sequence[Sequence[float]], how: str, trim_fraction: float = 0.2) -> list[float]:
+    """Ĵ(a_j) across clients, unweighted: ``median``, or ``trimmed-mean`` (⌊β n⌋ values cut at
+    each end, Flower's ``trim_mean``). A client's inf at a candidate is one value among the others."""
+    from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+
+    j = np.asarray(client_teacher_scores, dtype=np.float64)
+    if how == "median":
+        return np.median(j, axis=0).tolist()
+    if how == "trimmed-mean":
+        with np.errstate(invalid="ignore"):  # inf among the kept values gives inf; inf - inf is not formed
+            return np.asarray(trim_mean(j, trim_fraction), dtype=np.float64).tolist()
+    raise ValueError(f"strategy.score-aggregate = {how!r}; allowed: 'mean', 'median', 'trimmed-mean'")
+
+
+def aggregate_teacher_scores(
+    client_teacher_scores: Sequence[Sequence[float]], weights: Sequence[float], how: str = "mean", trim_fraction: float = 0.2
+) -> list[float]:
+    """Ĵ per candidate: the paper's weighted mean (``mean``), or a robust statistic across clients."""
+    if how == "mean":
+        return weighted_teacher_scores(client_teacher_scores, weights)
+    return robust_teacher_scores(client_teacher_scores, how, trim_fraction)
+
+
 @dataclass(frozen=True)
 class Selection:
     """What the server decided in one round, with what the round record keeps of it."""
@@ -111,17 +144,24 @@ def select_round(
     all_scored: bool,
     score_tol: float = 1e-9,
     feasibility_tol: float = 1e-8,
+    max_vetoes: int = 0,
+    score_aggregate: str = "mean",
+    trim_fraction: float = 0.2,
 ) -> Selection:
     """The round's multiplier from the valid score replies (row i of each list: client i).
 
     ``all_scored``: every client whose update is in Δ_t is among them. If not, its K̂ is unknown
     and a_t is capped at 1; if no client scored at all, a_t = 1 (a fallback, not a cap).
+    ``max_vetoes``, ``score_aggregate``: :func:`feasible_indices`, :func:`aggregate_teacher_scores`
+    (defaults: the paper's rule).
     """
     if not client_teacher_scores:
         return Selection(FALLBACK, FALLBACK, None, 0, None, fallback=True)
-    teacher_scores = weighted_teacher_scores(client_teacher_scores, weights)
-    selected = select_multiplier(candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol)
-    num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol))
+    teacher_scores = aggregate_teacher_scores(client_teacher_scores, weights, score_aggregate, trim_fraction)
+    selected = select_multiplier(
+        candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol, max_vetoes=max_vetoes
+    )
+    num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol, max_vetoes))
     cap = None if all_scored else UNSCORED_CAP
     multiplier = selected if cap is None else min(selected, cap)
     return Selection(multiplier, selected, teacher_scores, num_feasible, cap, fallback=False)

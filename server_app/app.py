@@ -25,6 +25,7 @@ from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal
 from fedopd.procinfo import rss_mb
 from fedopd.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
+from fedtops_strategy.screening import NodesNotConnected
 from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
@@ -95,6 +96,18 @@ def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: 
     return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
 
 
+def held_failure(server_round: int, held_rounds: int, max_held_rounds: int, record: dict) -> RunFailed | None:
+    """The error that stops the run after ``server_round`` when it held (a = 0 with valid
+    updates) in ``max_held_rounds`` consecutive rounds (0: never), naming why and the nodes."""
+    if not max_held_rounds or held_rounds < max_held_rounds:
+        return None
+    return RunFailed(
+        f"the federation held (a = 0, θ unchanged) in {held_rounds} consecutive rounds "
+        f"({server_round - held_rounds + 1}-{server_round}, max-held-rounds = {max_held_rounds}); "
+        f"in round {server_round}: {record.get('hold-reason', '?')}"
+    )
+
+
 def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
@@ -142,7 +155,15 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     check_positions(cfg)
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout)
+    if cfg.num_clients:
+        # The schema's ranges (fedtops_strategy/schema.py): partition ids in [0, num-clients), and a
+        # client holds at most the whole prompt pool (data.prompts-per-client per client).
+        strategy.max_examples = cfg.data.prompts_per_client * cfg.num_clients
+    else:
+        # num-clients = 0: the nodes connected at the start, a count that can be short of the
+        # federation's (nodes still registering): no upper bounds to check against.
+        strategy.num_partitions = None
     if cfg.resume_from:
         run, done = open_resumed_run(cfg, lora_config, resolved)
         if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
@@ -248,6 +269,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 fraction=cfg.eval.fraction,
                 seed=cfg.seed,
                 num_partitions=strategy.num_partitions,
+                max_examples=cfg.eval.prompts_per_client,
+                skip=strategy.sitting_out(server_round + 1) if server_round > 0 else frozenset(),
             )
             record["eval_seconds"] = time.perf_counter() - started
             traffic["evaluate"] = grid.last_traffic
@@ -272,6 +295,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
     if done == 0:
         after_round(0, global_arrays)
     failed_rounds = 0  # consecutive rounds without a valid client update
+    held_rounds = 0  # consecutive rounds that held with valid updates
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
         config = ConfigRecord({"run-dir": str(run.path.resolve())})
@@ -279,7 +303,10 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             config["resume-round"] = done  # clients restore their state of that round
 
         # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
-        messages = strategy.configure_train(server_round, global_arrays, config, grid)
+        try:
+            messages = strategy.configure_train(server_round, global_arrays, config, grid)
+        except NodesNotConnected as err:
+            raise RunFailed(str(err)) from None
         replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
         traffic = {"train": grid.last_traffic}  # bytes per node and phase, for the round record
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
@@ -296,7 +323,10 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         # evaluate when due; checkpoint and record the round
         record = strategy.records.get(server_round, {})
         failed_rounds = 0 if record.get("clients") else failed_rounds + 1
-        failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record)
+        held_rounds = held_rounds + 1 if record.get("clients") and record.get("hold-reason") else 0
+        failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record) or held_failure(
+            server_round, held_rounds, cfg.max_held_rounds, record
+        )
         after_round(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # the round is recorded, excluded reasons and all
         if failure is not None:
             raise failure

@@ -57,12 +57,16 @@ def evaluate_round(
     fraction: float = 1.0,
     seed: int = 0,
     num_partitions: int | None = None,
+    max_examples: int | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> dict[str, Any] | None:
     """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
 
     All of them by default; with ``fraction`` < 1 (``eval.fraction``), :func:`evaluation_nodes`.
+    Nodes in ``skip`` (sitting out after timeouts, ``timeout.skip-after``) are not asked; replies
+    must pass the evaluate schema with partition ids below ``num_partitions``.
     """
-    nodes = evaluation_nodes(grid.get_node_ids(), fraction, seed, server_round)
+    nodes = evaluation_nodes([n for n in grid.get_node_ids() if int(n) not in skip], fraction, seed, server_round)
     messages = [
         Message(
             content=RecordDict({"arrays": arrays_for(n), "config": ConfigRecord({"server-round": server_round})}),
@@ -75,7 +79,7 @@ def evaluate_round(
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     excluded = missing_replies(messages, replies, "evaluate")
     for msg, node in zip(replies, reply_nodes(messages, replies)):
-        problem, metrics = _parse(msg, num_partitions)
+        problem, metrics = _parse(msg, num_partitions, max_examples)
         if problem:
             log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, node, problem)
             excluded.append({"node-id": node, "reason": problem})
@@ -89,7 +93,7 @@ def evaluate_round(
     return out
 
 
-def _parse(msg: Message, num_partitions: int | None = None) -> tuple[str | None, dict[str, Any]]:
+def _parse(msg: Message, num_partitions: int | None = None, max_examples: int | None = None) -> tuple[str | None, dict[str, Any]]:
     """(why the reply is left out, or None; its metrics), against the evaluate schema (:mod:`fedtops_strategy.schema`)."""
     if msg.has_error():
         return f"error reply: {root_cause(msg.error.reason)}", {}
@@ -97,5 +101,5 @@ def _parse(msg: Message, num_partitions: int | None = None) -> tuple[str | None,
     if len(records) != 1:
         return "expected one MetricRecord", {}
     metrics = dict(next(iter(records)).items())
-    problem = evaluate_metrics_problem(metrics, num_partitions)
+    problem = evaluate_metrics_problem(metrics, num_partitions, max_examples)
     return (problem, {}) if problem else (None, metrics)

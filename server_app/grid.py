@@ -76,8 +76,12 @@ class PromptGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages`` and return the replies that arrive within ``timeout`` seconds;
-        their bytes per node are left in :attr:`last_traffic`."""
+        their bytes per node are left in :attr:`last_traffic`. Each message's time to live
+        (Flower's TTL, 12 h by default) is ``timeout``: a node that gets it later does not run it."""
         messages = list(messages)
+        if timeout is not None:
+            for message in messages:
+                message.metadata.ttl = float(timeout)
         self.last_traffic = []
         sizes = sent_bytes(messages)  # before the push: what leaves is the content as it is now
         ids = list(self.push_messages(messages))  # in order; None (or none at all) for one not pushed

@@ -92,7 +92,8 @@ def round_summary(record: dict, num_rounds: int) -> str:
     a = record.get("multiplier")
     j = "-"
     if record.get("teacher_scores") and a in (record.get("candidates") or []):
-        j = f"{record['teacher_scores'][record['candidates'].index(a)]:.4f}"
+        value = record["teacher_scores"][record["candidates"].index(a)]
+        j = "-" if value is None else f"{value:.4f}"  # None: not finite (docs/run-folder.md)
     feasible = f"{record['num-feasible']}/{len(record['candidates'])}" if "num-feasible" in record else "-"
     clients = record.get("clients", [])
     kl = "-"
@@ -112,6 +113,8 @@ def round_summary(record: dict, num_rounds: int) -> str:
             " (fallback: no score replies)" if record.get("fallback") else "",
             capped,
             f" ({len(record['excluded'])} excluded)" if record.get("excluded") else "",
+            f" ({len(record['skipped-node-ids'])} skipped)" if record.get("skipped-node-ids") else "",
+            " (held: see the WARNING above)" if record.get("clients") and record.get("hold-reason") else "",
         ]
     )
     a = "-" if a is None else f"{a:g}"

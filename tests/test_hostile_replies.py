@@ -7,16 +7,20 @@ line, Flower's ``InconsistentMessageReplies`` for an extra, missing or renamed m
 ``float()`` of a list ``accuracy`` in the evaluation. Now the run completes, the global adapter
 stays finite, and the record names the node and the reason (or, for a newer client's extra key,
 keeps the reply and the key).
+
+The attacks on the average, the selection and the clock run the same way at the end of the file
+(the defences' arithmetic is in tests/test_robustness.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import pytest
 from conftest import TINY
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedopd.config import parse_run_config
 from server_app.inprocess import FIRST_NODE_ID, InProcessGrid
@@ -34,37 +38,59 @@ CONFIG = {
     "num-server-rounds": 1,
     "eval.every": 0,
     "strategy.name": "fedtops",
+    "num-clients": 3,  # as a deployment sets it: the schema's ranges need the federation's size
 }
 HOSTILE = 1  # the partition whose node sends the crafted replies
 NODE = FIRST_NODE_ID + HOSTILE
 
 
 class HostileGrid(InProcessGrid):
-    """Replies of partition HOSTILE in (message type, round) get their metrics rewritten."""
+    """Replies of partition HOSTILE in (message type, round) get their metrics rewritten
+    (``tamper``) or their arrays (``tamper_arrays``: named numpy arrays -> named numpy arrays);
+    in the message types of ``silent`` it never answers (it stays connected)."""
 
-    def __init__(self, *args, tamper, **kwargs):
+    def __init__(self, *args, tamper, tamper_arrays=None, silent=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.tamper = tamper  # (message type, round) -> metrics dict -> metrics dict
+        self.tamper_arrays = tamper_arrays or {}
+        self.silent = set(silent)
 
     def _deliver(self, msg: Message) -> Message:
         reply = super()._deliver(msg)
         key = (msg.metadata.message_type, int(msg.content["config"]["server-round"]))
-        if int(msg.metadata.dst_node_id) != NODE or key not in self.tamper or reply.has_error():
+        if int(msg.metadata.dst_node_id) != NODE or reply.has_error():
+            return reply
+        if key[0] in self.silent:
+            return None  # no reply; pull_messages never returns one
+        if key not in self.tamper and key not in self.tamper_arrays:
             return reply
         content = RecordDict()
         for name, record in reply.content.items():
-            content[name] = MetricRecord(self.tamper[key](dict(record.items()))) if isinstance(record, MetricRecord) else record
+            if isinstance(record, MetricRecord) and key in self.tamper:
+                record = MetricRecord(self.tamper[key](dict(record.items())))
+            elif isinstance(record, ArrayRecord) and key in self.tamper_arrays:
+                arrays = self.tamper_arrays[key]({k: v.numpy() for k, v in record.items()})
+                record = ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
+            content[name] = record
         return Message(content=content, reply_to=msg)
 
+    def pull_messages(self, message_ids):
+        return [m for m in super().pull_messages(message_ids) if m is not None]
 
-def _run(tmp_path, tamper, **overrides):
+
+def _run(tmp_path, tamper, tamper_arrays=None, silent=(), num_nodes=3, **overrides):
     from client_app.app import app
     from server_app.app import run_server
     from server_app.run_folder import read_rounds
 
     cfg = parse_run_config({**CONFIG, **overrides, "output-dir": str(tmp_path)})
-    folder = run_server(HostileGrid(app, cfg.to_run_config(), 3, tamper=tamper), cfg)
+    grid = HostileGrid(app, cfg.to_run_config(), num_nodes, tamper=tamper, tamper_arrays=tamper_arrays, silent=silent)
+    folder = run_server(grid, cfg)
     return folder, read_rounds(folder)
+
+
+def _every_round(phase, rounds, fn):
+    return {(phase, r): fn for r in range(1, rounds + 1)}
 
 
 def _finite_adapter(folder, server_round):
@@ -175,3 +201,90 @@ def test_the_progress_line_of_a_reply_with_a_bad_partition_id_is_none(value):
 
     reply = Message(content=RecordDict({"metrics": MetricRecord({"partition-id": value, "accuracy": 1.0})}), dst_node_id=1, message_type="evaluate")
     assert reply_summary(reply) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Poison, stall and silence through the whole app
+# ---------------------------------------------------------------------------------------------
+
+
+def _adapter(folder, server_round):
+    from safetensors.numpy import load_file
+
+    return load_file(str(folder / f"round-{server_round:03d}" / "adapter_model.safetensors"))
+
+
+def _moved(folder, server_round):
+    """‖θ_t − θ_0‖ over all arrays."""
+    start, now = _adapter(folder, 0), _adapter(folder, server_round)
+    return math.sqrt(sum(float(np.sum((now[k].astype(np.float64) - start[k]) ** 2)) for k in start))
+
+
+def test_a_claimed_weight_beyond_the_prompt_pool_is_left_out(tmp_path):
+    """Before: num-examples = 1e9 made this client's update the whole average."""
+    folder, [record] = _run(tmp_path, {("train", 1): _set("num-examples", 10**9)})
+    assert [c["partition-id"] for c in record["clients"]] == [0, 2]
+    assert record["excluded"] == [{"node-id": NODE, "reason": "'num-examples' is 1000000000: more than a client can hold (48)"}]  # 16 x 3
+    assert _finite_adapter(folder, 1)
+
+
+def test_factors_a_million_times_larger_move_the_adapter_unless_clipped(tmp_path):
+    """One client scales its factors by 1e6: FedAvg moves by ~1e5 without clipping; with
+    strategy.clip-norm = 2 its update is scaled to twice the median norm (the record says so)."""
+    huge = {("train", 1): lambda arrays: {k: v * 1e6 for k, v in arrays.items()}}
+    plain, _ = _run(tmp_path / "plain", {}, tamper_arrays=huge, **{"strategy.name": "fedavg"})
+    clipped, [record] = _run(tmp_path / "clipped", {}, tamper_arrays=huge, **{"strategy.name": "fedavg", "strategy.clip-norm": 2.0})
+    honest, _ = _run(tmp_path / "honest", {}, **{"strategy.name": "fedavg"})
+    assert _moved(plain, 1) > 1e4 * _moved(honest, 1)
+    bounded = {b["node-id"]: b for b in record["bounded"]}
+    assert bounded[NODE]["scale"] < 1e-4 and all(b["scale"] == 1.0 for n, b in bounded.items() if n != NODE)
+    assert _finite_adapter(clipped, 1) and _moved(clipped, 1) < 3 * _moved(honest, 1)
+
+
+def test_a_client_that_vetoes_every_round_holds_the_run_visibly_and_max_held_rounds_ends_it(tmp_path, caplog):
+    """Before: every round held, nothing was logged at WARNING, and the run ended 'completed' with
+    the initial adapter. Now each hold is a WARNING naming the node, the record counts its vetoes,
+    and max-held-rounds = 2 ends the run as failed, naming it."""
+    import json
+
+    from server_app.app import RunFailed
+
+    veto = _every_round("query.score", 3, _set("change-scores", [1e3] * 6))
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        folder, records = _run(tmp_path / "held", veto, **{"num-server-rounds": 3})
+    assert [r["multiplier"] for r in records] == [0.0, 0.0, 0.0]
+    assert all(r["hold-node-ids"] == [NODE] and r["veto-counts"][HOSTILE] == 6 for r in records)
+    assert sum("holds (a = 0)" in m and f"node(s) {NODE}" in m for m in caplog.messages) == 3
+    start, end = _adapter(folder, 0), _adapter(folder, 3)
+    assert all(np.array_equal(start[k], end[k]) for k in start)  # θ never moved
+
+    with pytest.raises(RunFailed, match=rf"held \(a = 0, θ unchanged\) in 2 consecutive rounds .*node\(s\) {NODE}"):
+        _run(tmp_path / "ended", veto, **{"num-server-rounds": 3, "max-held-rounds": 2})
+    [run] = (tmp_path / "ended").glob("*-fedtops")
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and f"node(s) {NODE}" in status["error"]
+
+    _, records = _run(tmp_path / "vetoes", veto, **{"num-server-rounds": 3, "strategy.max-vetoes": 1})
+    assert all(r["multiplier"] > 0 for r in records)  # the other two choose
+
+
+def test_a_node_that_stays_connected_but_never_answers_sits_out(tmp_path):
+    """Before: sampled every round, each waiting the full timeout.train."""
+    folder, records = _run(tmp_path, {}, silent={"train"}, **{"num-server-rounds": 4, "timeout.train": 1.0, "timeout.skip-after": 1})
+    assert [NODE in r["sampled-node-ids"] for r in records] == [True, False, True, False]
+    assert [r.get("skipped-node-ids", []) for r in records] == [[], [NODE], [], [NODE]]
+    assert records[0]["excluded"] == [{"node-id": NODE, "reason": "train: no reply before the timeout"}]
+    assert all(sorted(c["partition-id"] for c in r["clients"]) == [0, 2] for r in records)
+    assert _finite_adapter(folder, 4)
+
+
+def test_a_run_that_cannot_see_its_nodes_fails_at_the_start_deadline(tmp_path):
+    """Before: Flower's sample_nodes waited forever for num-clients nodes."""
+    import json
+
+    from server_app.app import RunFailed
+
+    with pytest.raises(RunFailed, match=r"round 1 waited \d+ s \(timeout.start = 0.5\) for 4 connected node\(s\) and saw 3"):
+        _run(tmp_path, {}, **{"num-clients": 4, "timeout.start": 0.5})
+    [run] = tmp_path.glob("*-fedtops")
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"

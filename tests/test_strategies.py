@@ -224,27 +224,36 @@ def test_a_score_a_rounding_error_below_zero_is_clamped_and_the_client_kept():
     assert record["multiplier"] == 3.0 and not record["fallback"]  # client 1's constraint still binds at 5
 
 
-@pytest.mark.parametrize(
-    "bad, reason",
-    [
-        (-1e-3, "negative beyond rounding"),
-        (float("nan"), "not a finite number"),
-        (float("inf"), "not a finite number"),
-        (float("-inf"), "not a finite number"),
-    ],
-)
-def test_a_clearly_negative_or_non_finite_score_invalidates_that_reply(bad, reason):
+def test_a_clearly_negative_score_invalidates_that_reply():
     scores = {
         1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3]),
-        2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, bad, 0.01]),
+        2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, -1e-3, 0.01]),
     }
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
     _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
     record = strategy.records[1]
     assert record["scored-node-ids"] == [1]
-    assert [e["node-id"] for e in record["excluded"]] == [2] and reason in record["excluded"][0]["reason"]
+    assert [e["node-id"] for e in record["excluded"]] == [2] and "negative beyond rounding" in record["excluded"][0]["reason"]
     assert record["selected-multiplier"] == 5.0  # selected over client 1 alone
     assert record["multiplier"] == 1.0  # and capped: client 2's update is in Δ, its constraint unknown
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which", [0, 1])  # Ĵ_2(5) or K̂_2(5)
+def test_a_non_finite_score_makes_that_candidate_infeasible_for_that_client_which_still_counts_as_scored(bad, which):
+    # Client 1 vetoes a = 10 (K̂ 0.3 > δ); client 2's non-finite value at a = 5 vetoes a = 5. Of the
+    # feasible 0.5, 1, 2, 3 the common Ĵ is lowest at 3 (0.2), and no cap: both scored.
+    j2, k2 = [0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.01]
+    (j2 if which == 0 else k2)[4] = bad
+    scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3]), 2: (j2, k2)}
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = strategy.records[1]
+    assert record["scored-node-ids"] == [1, 2] and record["unscored-node-ids"] == [] and record["excluded"] == []
+    assert record["num-feasible"] == 4 and record["veto-counts"] == [1, 1]
+    assert record["selected-multiplier"] == record["multiplier"] == 3.0
+    assert record["change_scores"][1][4] is None and record["client_teacher_scores"][1][4] is None  # JSON has no inf
+    assert record["teacher_scores"][4] is None  # the weighted Ĵ(5) is inf: it can never win
 
 
 def test_fixed_multiplier_three_applies_exactly_three_delta():

@@ -1,0 +1,59 @@
+"""Bounds on what one client can do to the average: update norms and weights, relative to the round.
+
+Pure functions on plain arrays. Off by default (the paper averages every screened update with its
+``num-examples``); ``strategy.clip-norm`` and ``strategy.max-weight`` turn them on
+(docs/robustness.md):
+
+* an update Δ_i = θ_i − θ_t whose norm exceeds c × the median norm of the round's updates is
+  scaled down to that norm (the median, not the mean: one huge update cannot raise its own bar);
+* a ``num-examples`` weight above c × the round's median weight is cut to it.
+
+Norms are over all arrays of the adapter together, in the coordinates the clients send (LoRA
+factors), computed in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def update_norm(theta: Mapping[str, np.ndarray], client: Mapping[str, np.ndarray]) -> float:
+    """‖θ_i − θ_t‖ over all arrays together, in float64."""
+    return float(np.sqrt(sum(np.sum((np.asarray(client[k], np.float64) - np.asarray(theta[k], np.float64)) ** 2) for k in theta)))
+
+
+def clip_scales(norms: Sequence[float], clip_norm: float) -> list[float]:
+    """The factor s_i ∈ [0, 1] that each update is multiplied by: min(1, c·median / ‖Δ_i‖).
+
+    ``clip_norm`` 0 is off (every s_i = 1). An update of norm 0 keeps s = 1.
+    """
+    if not clip_norm or not norms:
+        return [1.0] * len(norms)
+    bound = clip_norm * float(np.median(np.asarray(norms, dtype=np.float64)))
+    return [1.0 if n <= bound else bound / n for n in norms]
+
+
+def clipped(theta: Mapping[str, np.ndarray], client: Mapping[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
+    """θ_t + s (θ_i − θ_t), in the client's dtype (the arrays unchanged when s = 1)."""
+    if scale == 1.0:
+        return dict(client)
+    out = {}
+    for k, x in client.items():
+        t = np.asarray(theta[k], np.float64)
+        out[k] = (t + scale * (np.asarray(x, np.float64) - t)).astype(np.asarray(x).dtype)
+    return out
+
+
+def capped_weights(weights: Sequence[float], max_weight: float) -> list[float]:
+    """Each weight cut to at most c × the median weight; ``max_weight`` 0 is off (unchanged)."""
+    if not max_weight or not weights:
+        return list(weights)
+    cap = max_weight * float(np.median(np.asarray(weights, dtype=np.float64)))
+    return [min(float(w), cap) for w in weights]
+
+
+def all_finite(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether every value of every array is finite."""
+    return all(bool(np.isfinite(np.asarray(a)).all()) for a in arrays.values())

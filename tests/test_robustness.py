@@ -1,0 +1,401 @@
+"""One client cannot decide the round: bounded updates, Flower's robust aggregators, robust scores,
+visible holds and deadlines, with hand-made replies through the fake Grid of test_strategies.
+
+Each attack is shown with the defence that stops it and, where the defence is an option, the
+damage without it. Expected values are worked out by hand in the comments; every value below is
+exact in fp32 unless a tolerance says otherwise (then it is fp32 rounding of a few operations on
+values of order 1: relative 1e-6).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import numpy as np
+import pytest
+from flwr.app import Message, Metadata, MetricRecord, RecordDict
+from test_strategies import THETA, FakeGrid, _common, _record, _run
+
+from fedopd.config import ConfigError, StrategySettings, TimeoutSettings, parse_run_config
+from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
+from fedtops_strategy.bounds import capped_weights, clip_scales, update_norm
+from fedtops_strategy.screening import NodesNotConnected
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+# Two honest clients and node 3, whose factors are θ + 1e6 (an update 1e6 times the others').
+HONEST = {1: [np.full((2, 3), 1.0), np.full((3,), 0.0)], 2: [np.full((2, 3), 2.0), np.full((3,), 1.0)]}
+HUGE = [np.full((2, 3), 0.5 + 1e6), np.full((3,), -1.0 + 1e6)]
+EQUAL = {1: 1, 2: 1, 3: 1}
+
+
+def _delta_norm(new):
+    return math.sqrt(sum(float(np.sum((np.asarray(n, np.float64) - t) ** 2)) for n, t in zip(new, THETA)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded updates (strategy.clip-norm, strategy.max-weight)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_clip_scales_bound_each_norm_by_c_times_the_median():
+    # median of (1, 2, 100) is 2; c = 1.5 -> bound 3: only 100 is scaled, to 3/100
+    assert clip_scales([1.0, 2.0, 100.0], 1.5) == [1.0, 1.0, 0.03]
+    assert clip_scales([1.0, 2.0, 100.0], 0.0) == [1.0, 1.0, 1.0]  # off
+    assert clip_scales([0.0, 0.0, 5.0], 2.0) == [1.0, 1.0, 0.0]  # a median of 0 bounds the rest at 0
+
+
+def test_capped_weights_cut_each_weight_at_c_times_the_median():
+    assert capped_weights([16, 16, 10**9], 2.0) == [16.0, 16.0, 32.0]
+    assert capped_weights([16, 16, 10**9], 0.0) == [16, 16, 10**9]  # off
+
+
+def test_update_norm_is_the_l2_norm_over_all_arrays_together():
+    # node 1: 6 entries of 0.5 and 3 of 1.0 -> sqrt(1.5 + 3)
+    assert update_norm(dict(zip("ab", THETA)), dict(zip("ab", HONEST[1]))) == pytest.approx(math.sqrt(4.5), rel=1e-15)
+
+
+def test_a_huge_update_decides_fedavg_without_clipping_and_is_bounded_with_it():
+    updates = {**HONEST, 3: HUGE}
+    # Without: the average moves by ~1e6/3 per entry.
+    plain = _run(LoRAFedAvg(**_common(3)), FakeGrid(updates, EQUAL))
+    assert _delta_norm(plain) > 9e5
+
+    # With clip-norm 2: norms sqrt(4.5), sqrt(25.5), 3e6; median sqrt(25.5); node 3 is scaled to
+    # norm 2 sqrt(25.5), spread evenly over its 9 equal entries: each 2 sqrt(25.5) / 3.
+    strategy = LoRAFedAvg(**_common(3))
+    strategy.clip_norm = 2.0
+    new = _run(strategy, FakeGrid(updates, EQUAL))
+    entry = 2 * math.sqrt(25.5) / 3
+    np.testing.assert_allclose(new[0], 0.5 + (0.5 + 1.5 + entry) / 3, rtol=1e-6)
+    np.testing.assert_allclose(new[1], -1.0 + (1.0 + 2.0 + entry) / 3, rtol=1e-6)
+    [b1, b2, b3] = strategy.records[1]["bounded"]
+    assert (b1["scale"], b2["scale"]) == (1.0, 1.0)
+    assert b3["node-id"] == 3 and b3["update-norm"] == pytest.approx(3e6, rel=1e-6)
+    assert b3["scale"] == pytest.approx(2 * math.sqrt(25.5) / 3e6, rel=1e-6)
+
+
+def test_an_inflated_weight_decides_the_average_without_a_cap_and_is_cut_with_it():
+    updates = {**HONEST, 3: [np.full((2, 3), 3.0), np.full((3,), 2.0)]}  # Δ_3: 2.5 and 3.0
+    weights = {1: 1, 2: 1, 3: 100}
+    plain = _run(LoRAFedAvg(**_common(3)), FakeGrid(updates, weights))
+    # (0.5 + 1.5 + 100 * 2.5) / 102: node 3's update almost alone
+    np.testing.assert_allclose(plain[0], 0.5 + 252 / 102, rtol=1e-6)
+
+    strategy = LoRAFedAvg(**_common(3))
+    strategy.max_weight = 2.0  # median weight 1 -> cap 2
+    new = _run(strategy, FakeGrid(updates, weights))
+    np.testing.assert_allclose(new[0], 0.5 + (0.5 + 1.5 + 2 * 2.5) / 4, rtol=1e-6)
+    np.testing.assert_allclose(new[1], -1.0 + (1.0 + 2.0 + 2 * 3.0) / 4, rtol=1e-6)
+    assert [b["weight"] for b in strategy.records[1]["bounded"]] == [1.0, 1.0, 2.0]
+
+
+def test_the_teacher_score_weights_are_the_capped_train_weights():
+    updates = {**HONEST, 3: HONEST[2]}
+    weights = {1: 1, 2: 1, 3: 100}
+    scores = {1: ([0.4] * 6, [0.0] * 6), 2: ([0.4] * 6, [0.0] * 6), 3: ([0.0] * 6, [0.0] * 6)}
+    strategy = FedTOPS(**_common(3))
+    strategy.max_weight = 2.0
+    _run(strategy, FakeGrid(updates, weights, scores))
+    # Ĵ = (0.4 + 0.4 + 2 * 0) / 4 = 0.2 (uncapped it would be 0.8 / 102)
+    assert strategy.records[1]["teacher_scores"] == pytest.approx([0.2] * 6, rel=1e-15)
+
+
+class ClaimingGrid(FakeGrid):
+    """Node 3's score reply claims ``num-examples`` = 1e300 (its train reply said 1)."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        out = []
+        for r in replies:
+            if r.metadata.message_type == "query.score" and r.metadata.src_node_id == 3:
+                m = dict(next(iter(r.content.metric_records.values())).items())
+                r = Message(content=RecordDict({"scores": MetricRecord({**m, "num-examples": 1e300})}), metadata=r.metadata)
+            out.append(r)
+        return out
+
+
+def test_a_score_replys_own_weight_is_not_used():
+    # Before: the weight came from the score reply, and 1e300 made Ĵ node 3's own (0 everywhere but
+    # at a = 10, so a = 10 was chosen). Now the train weights (1, 1, 1) give Ĵ = mean of the three.
+    updates = {**HONEST, 3: HONEST[2]}
+    j3 = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    scores = {1: ([0.3, 0.2, 0.3, 0.3, 0.3, 0.0], [0.0] * 6), 2: ([0.3, 0.2, 0.3, 0.3, 0.3, 0.0], [0.0] * 6), 3: (j3, [0.0] * 6)}
+    strategy = FedTOPS(**_common(3))
+    _run(strategy, ClaimingGrid(updates, EQUAL, scores))
+    record = strategy.records[1]
+    assert record["teacher_scores"] == pytest.approx([0.2, 0.4 / 3, 0.2, 0.2, 0.2, 1 / 3], rel=1e-12)
+    assert record["multiplier"] == 1.0  # 0.133 at a = 1 is the lowest
+
+
+# ---------------------------------------------------------------------------------------------
+# A non-finite adapter holds the round
+# ---------------------------------------------------------------------------------------------
+
+OVERFLOWING = [np.full((2, 3), 3.3e38), np.full((3,), 3.3e38)]  # finite in fp32 (max 3.4e38)
+
+
+def test_a_fixed_step_that_overflows_holds_and_keeps_theta():
+    # mean ~1.1e38 is finite; θ + 5 (mean − θ) ~5.5e38 is not: the round holds with θ_t.
+    strategy = FixedMultiplier(5.0, **_common(3))
+    with np.errstate(over="ignore"):
+        new = _run(strategy, FakeGrid({**HONEST, 3: OVERFLOWING}, EQUAL))
+    assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
+    record = strategy.records[1]
+    assert record["multiplier"] == 0.0 and record["hold-reason"] == "the averaged adapter is not finite"
+
+
+def test_a_fedtops_candidate_that_overflows_holds_and_keeps_theta():
+    # Every candidate is feasible and a = 10 has the lowest Ĵ; θ + 10 Δ overflows.
+    scores = {n: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6) for n in (1, 2, 3)}
+    strategy = FedTOPS(**_common(3))
+    with np.errstate(over="ignore"):
+        new = _run(strategy, FakeGrid({**HONEST, 3: OVERFLOWING}, EQUAL, scores))
+    assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
+    record = strategy.records[1]
+    assert record["selected-multiplier"] == 10.0 and record["multiplier"] == 0.0
+    assert record["hold-reason"] == "θ_t + 10 Δ_t is not finite"
+
+
+# ---------------------------------------------------------------------------------------------
+# Robust scores: Ĵ across clients, vetoes, holds
+# ---------------------------------------------------------------------------------------------
+
+HONEST_J = [0.5, 0.4, 0.3, 0.2, 0.1, 0.6]  # lowest at a = 5
+
+
+@pytest.mark.parametrize("how, selected", [("mean", 10.0), ("median", 5.0), ("trimmed-mean", 5.0)])
+def test_a_huge_teacher_score_at_every_candidate_but_the_largest(how, selected):
+    # Node 3: Ĵ 1e300 except at a = 10. With δ = inf the weighted mean picks a = 10 (damage);
+    # the median, and a trimmed mean cutting 1 of 3 at each end, are the honest clients' Ĵ: a = 5.
+    scores = {1: (HONEST_J, [0.0] * 6), 2: (HONEST_J, [0.0] * 6), 3: ([1e300] * 5 + [0.0], [0.0] * 6)}
+    strategy = FedTOPS(trust_budget=math.inf, score_aggregate=how, trim_fraction=0.34, **_common(3))
+    _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
+    assert strategy.records[1]["multiplier"] == selected
+
+
+def test_a_client_that_vetoes_every_candidate_holds_the_round_and_is_named(caplog):
+    scores = {1: (HONEST_J, [0.0] * 6), 2: (HONEST_J, [0.0] * 6), 3: (HONEST_J, [1e3] * 6)}
+    strategy = FedTOPS(**_common(3))
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        new = _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
+    assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
+    record = strategy.records[1]
+    assert record["multiplier"] == 0.0 and record["num-feasible"] == 0
+    assert record["veto-counts"] == [0, 0, 6] and record["hold-node-ids"] == [3]
+    assert "K̂ at a = 1 exceeded δ at node(s) 3" in record["hold-reason"]
+    assert any("round 1 holds (a = 0)" in r.getMessage() and "node(s) 3" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_one_veto_allowed_lets_the_others_choose():
+    scores = {1: (HONEST_J, [0.0] * 6), 2: (HONEST_J, [0.0] * 6), 3: (HONEST_J, [1e3] * 6)}
+    strategy = FedTOPS(max_vetoes=1, **_common(3))
+    _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
+    record = strategy.records[1]
+    assert record["multiplier"] == 5.0 and record["num-feasible"] == 6 and record["veto-counts"] == [0, 0, 6]
+    assert "hold-reason" not in record
+
+
+# ---------------------------------------------------------------------------------------------
+# Flower's robust aggregators under fedavg, fixed and FedTOPS
+# ---------------------------------------------------------------------------------------------
+
+
+def _aggregating(strategy, name, **settings):
+    from fedtops_strategy.aggregators import make_aggregator
+
+    strategy.aggregator = make_aggregator(StrategySettings(aggregator=name, **settings))
+    return strategy
+
+
+@pytest.mark.parametrize(
+    "name, settings, expected",
+    [
+        ("median", {}, (2.0, 1.0)),  # coordinate-wise median of 1, 2, 1e6+0.5 and 0, 1, 1e6-1
+        ("trimmed-mean", {"trim_fraction": 0.34}, (2.0, 1.0)),  # cut 1 of 3 at each end: the median
+        ("krum", {}, (1.0, 0.0)),  # nodes 1 and 2 tie (distance 9 to each other); the first wins
+        ("multikrum", {"num_malicious": 1}, (1.5, 0.5)),  # the n - f = 2 best, weights 1 and 1
+    ],
+)
+def test_a_robust_aggregator_leaves_the_huge_update_out(name, settings, expected):
+    strategy = _aggregating(LoRAFedAvg(**_common(3)), name, **settings)
+    new = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL))
+    assert np.array_equal(new[0], np.full((2, 3), expected[0], np.float32))
+    assert np.array_equal(new[1], np.full((3,), expected[1], np.float32))
+    assert strategy.records[1]["aggregation-error"] is None  # a diagnostic of the weighted mean only
+
+
+def test_fixed_under_the_median_moves_a_times_median_minus_theta():
+    strategy = _aggregating(FixedMultiplier(3.0, **_common(3)), "median")
+    new = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL))
+    assert np.array_equal(new[0], np.full((2, 3), 0.5 + 3 * 1.5, np.float32))  # median 2: Δ 1.5
+    assert np.array_equal(new[1], np.full((3,), -1.0 + 3 * 2.0, np.float32))  # median 1: Δ 2
+    assert strategy.records[1]["multiplier"] == 3.0
+
+
+def test_fedtops_scores_the_increment_of_the_median():
+    scores = {n: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6) for n in (1, 2, 3)}
+    strategy = _aggregating(FedTOPS(**_common(3)), "median")
+    grid = FakeGrid({**HONEST, 3: HUGE}, EQUAL, scores)
+    new = _run(strategy, grid)
+    [query, *_] = [m for m in grid.sent if m.metadata.message_type == "query.score"]
+    increment = query.content["increment"].to_numpy_ndarrays()
+    assert np.array_equal(increment[0], np.full((2, 3), 1.5, np.float32)) and np.array_equal(increment[1], np.full((3,), 2.0, np.float32))
+    assert np.array_equal(new[0], np.full((2, 3), 0.5 + 10 * 1.5, np.float32))
+
+
+def test_the_aggregator_names_are_the_configs():
+    from fedopd.config import AGGREGATORS
+    from fedtops_strategy.aggregators import AGGREGATORS as BUILT
+
+    assert tuple(BUILT) == AGGREGATORS
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines: TTL, skipping silent nodes, waiting for nodes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_each_message_lives_as_long_as_its_phase_waits():
+    from server_app.grid import PromptGrid
+
+    class Inner:
+        def __init__(self):
+            self.pushed = []
+
+        def push_messages(self, messages):
+            self.pushed.extend(messages)
+            return [None for _ in messages]  # nothing pushed: no reply to wait for
+
+    inner = Inner()
+    grid = PromptGrid(inner)
+    for phase, timeout in (("train", 3600.0), ("query.score", 600.0), ("evaluate", 42.0)):
+        grid.send_and_receive([Message(RecordDict(), dst_node_id=1, message_type=phase)], timeout=timeout)
+    assert [(m.metadata.message_type, m.metadata.ttl) for m in inner.pushed] == [("train", 3600.0), ("query.score", 600.0), ("evaluate", 42.0)]
+
+
+def _sampled(strategy, grid, rounds):
+    out = []
+    for server_round in range(1, rounds + 1):
+        _run_round(strategy, grid, server_round)
+        out.append((strategy.records[server_round]["sampled-node-ids"], strategy.records[server_round].get("skipped-node-ids", [])))
+    return out
+
+
+def _run_round(strategy, grid, server_round):
+    from flwr.app import ConfigRecord
+
+    replies = grid.send_and_receive(strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid), timeout=1.0)
+    strategy.aggregate_train(server_round, replies)
+
+
+def test_a_node_that_never_answers_sits_out_after_k_rounds_and_is_asked_again():
+    updates = {**HONEST, 3: HONEST[2]}
+    lost = {3: ("train", "silent")}
+    strategy = LoRAFedAvg(**_common(3))
+    strategy.skip_after = 2
+    # Rounds 1, 2: asked, no reply; rounds 3, 4: left out; round 5: asked again (and misses again).
+    assert _sampled(strategy, FakeGrid(updates, EQUAL, lost=lost), 6) == [
+        ([1, 2, 3], []),
+        ([1, 2, 3], []),
+        ([1, 2], [3]),
+        ([1, 2], [3]),
+        ([1, 2, 3], []),
+        ([1, 2], [3]),
+    ]
+    # Without skipping (timeout.skip-after = 0), every round waits for it.
+    strategy = LoRAFedAvg(**_common(3))
+    assert _sampled(strategy, FakeGrid(updates, EQUAL, lost=lost), 4) == [([1, 2, 3], [])] * 4
+
+
+def test_an_answer_clears_a_nodes_timeouts():
+    updates = {**HONEST, 3: HONEST[2]}
+    strategy = LoRAFedAvg(**_common(3))
+    strategy.skip_after = 2
+    _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 1)
+    _run_round(strategy, FakeGrid(updates, EQUAL), 2)  # answers
+    _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 3)
+    assert strategy.timeouts[3] == 1 and strategy.sitting_out(4) == frozenset()
+
+
+def test_a_skipped_node_is_sampled_when_too_few_others_are_connected():
+    strategy = LoRAFedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3)
+    strategy.skip_after = 1
+    updates = {**HONEST, 3: HONEST[2]}
+    _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 1)
+    assert strategy.sitting_out(2) == {3}
+    _run_round(strategy, FakeGrid(updates, EQUAL), 2)  # needs 3 nodes: node 3 is asked after all
+    assert strategy.records[2]["sampled-node-ids"] == [1, 2, 3] and "skipped-node-ids" not in strategy.records[2]
+
+
+def test_waiting_for_nodes_ends_at_the_start_deadline():
+    strategy = make_strategy(StrategySettings(name="fedavg"), num_clients=3, timeouts=TimeoutSettings(start=0.5))
+    grid = FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, connected=lambda: [2])
+    with pytest.raises(NodesNotConnected, match=r"round 1 waited \d+ s \(timeout.start = 0.5\) for 3 connected node\(s\) and saw 1 \(2\)"):
+        _run_round(strategy, grid, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings: refused where they cannot apply
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"strategy.name": "local", "strategy.aggregator": "median"}, "'strategy.aggregator' = 'median' acts on the average"),
+        ({"strategy.name": "centralized", "strategy.clip-norm": 2.0}, "'strategy.clip-norm' = 2.0 acts on the average"),
+        ({"strategy.name": "fedavg", "strategy.max-vetoes": 1}, "'strategy.max-vetoes' = 1 acts on FedTOPS's score replies"),
+        ({"strategy.num-malicious": 1}, "'strategy.num-malicious' = 1 is used only by Krum"),
+        ({"strategy.clip-norm": 0.5}, "'strategy.clip-norm' = 0.5 is invalid"),
+        ({"strategy.max-weight": -1}, "'strategy.max-weight' = -1 is invalid"),
+        ({"strategy.trim-fraction": 0.5}, "'strategy.trim-fraction' = 0.5 is invalid"),
+        ({"strategy.aggregator": "mean"}, "'strategy.aggregator' = 'mean' is invalid"),
+        ({"strategy.score-aggregate": "max"}, "'strategy.score-aggregate' = 'max' is invalid"),
+    ],
+)
+def test_robustness_settings_that_cannot_apply_are_refused_naming_the_key(settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_run_config(settings)
+
+
+def _score_reply(teacher, change):
+    meta = Metadata(
+        run_id=1,
+        message_id="x",
+        src_node_id=3,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id="",
+        created_at=0.0,
+        ttl=60.0,
+        message_type="query.score",
+    )
+    return Message(content=RecordDict({"scores": MetricRecord({"teacher-scores": teacher, "change-scores": change})}), metadata=meta)
+
+
+def test_a_score_reply_without_a_weight_is_valid():
+    from fedtops_strategy.fedtops import parse_score_reply
+
+    problem, (j, k) = parse_score_reply(_score_reply([0.1, 0.2], [0.0, math.nan]), 2)
+    assert problem is None and j == [0.1, math.inf] and k == [0.0, math.inf]
+
+
+def test_the_round_line_of_a_held_round_with_a_non_finite_score_says_so():
+    from server_app.log_lines import round_summary
+
+    record = {
+        "round": 2,
+        "strategy": "fedtops",
+        "multiplier": 1.0,
+        "candidates": [1.0, 2.0],
+        "teacher_scores": [None, 0.25],
+        "num-feasible": 0,
+        "clients": [{"node-id": 1}],
+        "hold-reason": "no feasible candidate",
+        "skipped-node-ids": [3],
+    }
+    line = round_summary(record, 4)
+    assert "a = 1 | J(a) = - |" in line and line.endswith("(1 skipped) (held: see the WARNING above)")
