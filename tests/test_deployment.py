@@ -293,3 +293,53 @@ def test_a_deployed_round_trains_and_scores_the_sampled_supernodes_only(tmp_path
         assert [e["node-id"] for e in r["communication"]["train"]] == sampled
         assert [e["node-id"] for e in r["communication"]["score"]] == sampled
         assert all(e["sent"] > 0 and e["received"] > 0 for e in r["communication"]["train"])
+
+
+def test_a_supernode_that_sends_a_malformed_reply_every_round_cannot_stop_the_run(tmp_path):
+    """Over TLS with SuperNode authentication, one of three SuperNodes sends a train reply that
+    breaks the server's schema every round it is sampled; the run completes with the other two.
+
+    The malformed host is a realistic one, not hostile code: the script gives SuperNode i the node
+    config ``partition-id=i num-partitions=3`` while the run is for ``num-clients = 2``, so
+    SuperNode 2 is a client set up for another federation size (a host whose config or version is
+    out of step). Its reply carries ``partition-id`` 2, outside [0, 2): the schema gate
+    (fedtops_strategy/schema.py) leaves it out with the reason, never averages it and never sends
+    it the score query, and, as this is no timeout, it keeps being sampled. The script starts the
+    run once all three are connected, so with strategy.fraction-train = 1 every round samples all
+    three; the test asks for it in rounds 2 and 3 at least (round 1's sample is sized on the nodes
+    connected when it is drawn, so a slow registration could make it 2 of the three)."""
+    done, run = deploy(tmp_path, nodes=3, **{"num-clients": "2", "num-server-rounds": "3"})
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert run is not None and run.is_dir()
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "completed" and status["rounds-done"] == 3, status
+    work = tmp_path / "work"
+    good = {_registered_node_id(work, i): i for i in (0, 1)}  # node id -> partition id
+    bad = _registered_node_id(work, 2)
+    reason = "'partition-id' is 2: expected an integer >= 0, < 2"
+    records = [r for r in rounds(run) if r["round"] > 0]
+    assert [r["round"] for r in records] == [1, 2, 3]
+    sampled_bad_in = []
+    for r in records:
+        sampled = r["sampled-node-ids"]
+        kept = sorted(n for n in sampled if n != bad)
+        # The clients averaged are the sampled SuperNodes 0 and 1, each with its own partition.
+        assert sorted(c["node-id"] for c in r["clients"]) == kept and set(kept) <= set(good), r
+        assert all(c["partition-id"] == good[c["node-id"]] for c in r["clients"]), r["clients"]
+        assert r["trained-node-ids"] == kept
+        if bad in sampled:
+            sampled_bad_in.append(r["round"])
+            assert r["excluded"] == [{"node-id": bad, "reason": reason}], r["excluded"]
+        else:
+            assert r["excluded"] == [], r["excluded"]
+        # The score query went to the averaged clients only, and FedTOPS chose a candidate.
+        assert r["scored-node-ids"] == [c["node-id"] for c in r["clients"]] and bad not in r["scored-node-ids"]
+        assert r["multiplier"] in r["candidates"]
+    # From round 2 on every connected node is sampled: SuperNode 2 is, and is left out, each time.
+    assert {2, 3} <= set(sampled_bad_in), sampled_bad_in
+    for r in records[1:]:
+        assert [c["partition-id"] for c in r["clients"]] == [0, 1]
+    for rnd in range(4):  # every global adapter saved, round 0 (initial) to 3, is finite
+        adapter = load_file(run / f"round-{rnd:03d}" / "adapter_model.safetensors")
+        assert adapter and all(np.isfinite(v).all() for v in adapter.values()), rnd
+    assert not _no_process_left(work)
