@@ -216,9 +216,15 @@ def test_a_supernode_whose_key_was_not_registered_is_refused(tmp_path):
         log.close()
 
 
+# No reply in time; the SuperLink's Node Unavailable once the node's heartbeat is overdue; or its
+# Message Unavailable once the message's TTL (= the phase's timeout, server_app/grid.py) has passed.
 LOST_REASONS = {
-    "train": ("train: no reply before the timeout", "error reply: Error: Node Unavailable"),
-    "query.score": ("score: no reply before the timeout", "score: error reply: Error: Node Unavailable"),
+    "train": ("train: no reply before the timeout", "error reply: Error: Node Unavailable", "error reply: Error: Message Unavailable"),
+    "query.score": (
+        "score: no reply before the timeout",
+        "score: error reply: Error: Node Unavailable",
+        "score: error reply: Error: Message Unavailable",
+    ),
 }
 
 
