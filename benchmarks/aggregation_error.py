@@ -1,4 +1,4 @@
-"""Server time of the aggregation error (fedopd.lora.aggregation_errors) at the paper's adapter size.
+"""Server time of the aggregation error (fedopd.models.lora.aggregation_errors) at the paper's adapter size.
 
     python benchmarks/aggregation_error.py [--clients 3] [--repeats 3]
 
@@ -36,7 +36,7 @@ def paper_adapter(rng: np.random.Generator, layers: int = 28, rank: int = 8) -> 
 
 
 def main() -> None:
-    from fedopd.lora import aggregation_errors
+    from fedopd.models.lora import aggregation_errors
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=3)

@@ -19,7 +19,7 @@ seconds per phase and the process's peak memory.
 
 Part "loss" measures the extra peak memory of one forward+backward pass of the reverse-KL loss at
 P positions × V vocabulary from hidden states of width H (Qwen3-0.6B: H = 1024), once with
-:func:`fedopd.opd.reverse_kl_sum_from_hidden` (chunked, checkpointed) and once unchunked (full
+:func:`fedopd.distill.opd.reverse_kl_sum_from_hidden` (chunked, checkpointed) and once unchunked (full
 P × V logits). Each measurement runs in a fresh subprocess; on CPU "peak" is the rise of the
 resident set's high-water mark over the inputs, on GPU ``torch.cuda.max_memory_allocated``.
 An unchunked case whose predicted need exceeds the free memory is reported as skipped.
@@ -146,7 +146,7 @@ def paper_prompts(n: int, length: int, seed: int = 0):
 
 def bench_padding(models, args) -> None:
     """One training pass (forward+backward of the loss) over micro-batches of unequal length."""
-    from fedopd.opd import make_micro_batches, micro_batches, minibatch_gradient, teacher_pass
+    from fedopd.distill.opd import make_micro_batches, micro_batches, minibatch_gradient, teacher_pass
     from fedopd.rollout import Rollouts
 
     rng = np.random.default_rng(1)
@@ -180,11 +180,11 @@ def bench_padding(models, args) -> None:
 
 
 def bench_paper_round(args) -> None:
-    from fedopd.cache import score_candidates
     from fedopd.config import RunConfig
-    from fedopd.lora import increment
+    from fedopd.distill.cache import score_candidates
+    from fedopd.engine.round import ClientModels, score_round, train_round
+    from fedopd.models.lora import increment
     from fedopd.rollout import HFRolloutEngine
-    from fedopd.round import ClientModels, score_round, train_round
 
     cfg = RunConfig()
     t0 = time.perf_counter()
@@ -255,8 +255,8 @@ def bench_round(args) -> None:
         return bench_paper_round(args)
     from fedopd.config import RunConfig
     from fedopd.data import encode_prompts, tiny_arith_partition
-    from fedopd.lora import increment
-    from fedopd.round import load_client_models, score_round, train_round
+    from fedopd.engine.round import load_client_models, score_round, train_round
+    from fedopd.models.lora import increment
 
     cfg = RunConfig()
     t0 = time.perf_counter()
@@ -322,7 +322,7 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
     """
     import torch.nn.functional as F
 
-    from fedopd.opd import reverse_kl_sum_from_hidden, token_reverse_kl
+    from fedopd.distill.opd import reverse_kl_sum_from_hidden, token_reverse_kl
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 
 def _overrides(preset: str, rounds: int, out: Path) -> str:
-    from fedopd.presets import app_defaults, load_preset
+    from fedopd.config.presets import app_defaults, load_preset
 
     values = {**app_defaults(), **(load_preset(PRESETS[preset]) if PRESETS[preset] else {})}
     values.update({"num-server-rounds": rounds, "eval.every": 0, "output-dir": str(out)})

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedopd.data import encode_prompts
     from fedopd.models import attach_lora, load_causal_lm, resolve_model_path
     from fedopd.rollout import HFRolloutEngine, SamplingParams
-    from fedopd.rollout_vllm import VLLMRolloutEngine, torch_dtype_name, vllm_platform
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine, torch_dtype_name, vllm_platform
     from fedopd.sandbox.task import client_partition
 
     platform = vllm_platform()

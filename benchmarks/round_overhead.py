@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_overrides(args.run_config)
 
     from fedopd.config import parse_run_config
-    from fedopd.presets import app_defaults
+    from fedopd.config.presets import app_defaults
 
     parse_run_config({**app_defaults(), **overrides})  # a bad override fails before any run
     rows: dict[str, list[dict]] = {"fedavg": [], "fedtops": []}

@@ -1,1 +1,1 @@
-"""The FedTOPS ClientApp: a thin Flower shell around :mod:`fedopd.round`."""
+"""The FedTOPS ClientApp: a thin Flower shell around :mod:`fedopd.engine.round`."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedopd.config import RunConfig
+from fedopd.config import parse_run_config
 
 app = ClientApp()
 
@@ -63,7 +63,7 @@ def handle(kind: str, msg: Message, context: Context) -> Message:
     else:
         from client_app.handlers import HANDLERS
 
-        cfg = RunConfig.from_run_config(context.run_config)
+        cfg = parse_run_config(context.run_config)
         content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config)
     return Message(content=content, reply_to=msg)
 

@@ -42,7 +42,7 @@ def client_state_dir(config: Mapping[str, Any], node_config: Mapping[str, Any], 
     base = node_config.get("client-state-dir")
     if not base and node_config.get("worker") == "resident":
         # A SuperNode host need not see the server's file system: keep it in the host's cache.
-        from fedopd.tiny import cache_root
+        from fedopd.sandbox.tiny import cache_root
 
         base = cache_root() / "client-state"
     root = Path(str(base)).expanduser() / run.name if base else run.parent / f"{run.name}.clients"

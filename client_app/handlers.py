@@ -28,11 +28,11 @@ from flwr.common.logger import log
 
 from client_app import worker
 from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, save_round_state
-from fedopd.cache import ScoringCache
 from fedopd.config import RunConfig
-from fedopd.lora import check_compatible, from_record
-from fedopd.procinfo import rss_mb
-from fedopd.round import derive_seed, evaluate_heldout, score_round, train_round
+from fedopd.core.procinfo import rss_mb
+from fedopd.distill.cache import ScoringCache
+from fedopd.engine.round import derive_seed, evaluate_heldout, score_round, train_round
+from fedopd.models.lora import check_compatible, from_record
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
 LEARNERS = ("federated", "local", "centralized")  # the train config's "learner"

@@ -52,9 +52,9 @@ PREFIX = "fedopd-worker"
 def worker_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """What the worker's loaded models depend on, from a run config (validated)."""
     from fedopd import __version__
-    from fedopd.config import RunConfig
+    from fedopd.config import parse_run_config
 
-    cfg = RunConfig.from_run_config(dict(run_config))
+    cfg = parse_run_config(dict(run_config))
     r = cfg.rollout
     return {
         "student": cfg.model.student,
@@ -87,12 +87,12 @@ class ResidentWorker:
     def handle(self, kind: str, content, state, pid: int, num: int, run_config: dict[str, Any], node_config: dict[str, Any]):
         """(reply content, the client's new state) for one message."""
         from client_app.handlers import HANDLERS
-        from fedopd.config import RunConfig
+        from fedopd.config import parse_run_config
 
         got = worker_identity(run_config)
         if got != self.identity:
             raise RuntimeError(f"this worker holds {self.identity}, the message needs {got}")
-        reply = HANDLERS[kind](content, state, pid, num, RunConfig.from_run_config(run_config), node_config)
+        reply = HANDLERS[kind](content, state, pid, num, parse_run_config(run_config), node_config)
         return reply, state
 
     def info(self) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from logging import INFO
 
 from flwr.common.logger import log
 
-from fedopd.config import DataSettings, LoraSettings, ModelSettings, RunConfig
-from fedopd.data import DATASETS, Prompt, encode_prompts
-from fedopd.positions import needed_positions
-from fedopd.round import ClientModels, load_client_models
-from fedopd.vocab import ModelFiles, eos_conventions
+from fedopd.config import LoraSettings, ModelSettings, RunConfig
+from fedopd.data import Prompt, encode_prompts, heldout_rows, partition_rows
+from fedopd.engine.round import ClientModels, load_client_models
+from fedopd.models.positions import needed_positions
+from fedopd.models.vocab import ModelFiles, eos_conventions
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
 _LOADS = [0]
@@ -60,20 +60,6 @@ def worker_models(
     engine = "vLLM" if type(models.rollout).__name__ == "VLLMRolloutEngine" else "HF"
     log(INFO, "rollouts on %s; the student runs in %s (training and rollouts alike)", engine, str(models.student.dtype).removeprefix("torch."))
     return models
-
-
-def partition_rows(data: DataSettings, partition_id: int, num_partitions: int) -> list[dict]:
-    """The training rows of one client partition (the prompt set ``data.name``, :data:`fedopd.data.DATASETS`)."""
-    return DATASETS[data.name].train_rows(data, partition_id, num_partitions)
-
-
-def heldout_rows(data: DataSettings, partition_id: int, num_partitions: int, count: int) -> list[dict]:
-    """The held-out rows of one client, never among any client's training prompts."""
-    loader = DATASETS[data.name].heldout_rows
-    if loader is None:
-        allowed = ", ".join(repr(n) for n, d in DATASETS.items() if d.heldout_rows is not None)
-        raise ValueError(f"data.name = {data.name!r} has no held-out problems; allowed: {allowed}")
-    return loader(data, partition_id, num_partitions, count)
 
 
 def _models(cfg: RunConfig) -> ClientModels:

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedopd.grading import last_boxed
+from fedopd.data.grading import last_boxed
 
 
 @dataclass(frozen=True)

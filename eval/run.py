@@ -24,9 +24,9 @@ from eval.benchmarks import BENCHMARKS, load_benchmark, read_jsonl
 from eval.metrics import avg_at_k, cap_hit_rate, macro_average, pass_at_k
 from fedopd.config import LoraSettings
 from fedopd.data import render_prompt
-from fedopd.grading import is_correct
-from fedopd.lora import ADAPTER_CONFIG, load_adapter
+from fedopd.data.grading import is_correct
 from fedopd.models import ModelLoadError, attach_lora, load_causal_lm
+from fedopd.models.lora import ADAPTER_CONFIG, load_adapter
 from fedopd.rollout import SamplingParams, make_rollout_engine
 
 METRICS = ("avg_at_k", "pass_at_k", "cap_hit")
@@ -39,9 +39,9 @@ def lora_settings_of(adapter: Path) -> LoraSettings:
 
 
 def evaluation_stop_tokens(model: str, teacher: str | None, setting: str):
-    """The stop set of an evaluation: the one training used (:func:`fedopd.vocab.resolve_stop_tokens`),
+    """The stop set of an evaluation: the one training used (:func:`fedopd.models.vocab.resolve_stop_tokens`),
     from the model's files and, when given, the teacher's; no weights are read."""
-    from fedopd.vocab import ModelFiles, check_same_vocabulary, resolve_stop_tokens
+    from fedopd.models.vocab import ModelFiles, check_same_vocabulary, resolve_stop_tokens
 
     student = ModelFiles.load(model)
     other = ModelFiles.load(teacher) if teacher else None
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"note: responses end at {list(stop.tokens)}", file=sys.stderr)
-    from fedopd.positions import model_positions
+    from fedopd.models.positions import model_positions
 
     student = attach_lora(load_causal_lm(args.model, dtype=args.dtype), lora, seed=0)
     prompt_ids = encode_benchmarks(student.tokenizer, benchmarks)

@@ -136,7 +136,7 @@ GRID_KEYS = (
 def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
     """The ``--run-config`` values as a dict; a ``ConfigError`` when they set a key of :data:`GRID_KEYS`."""
     from fedopd.config import ConfigError
-    from fedopd.presets import overrides_from_args
+    from fedopd.config.presets import overrides_from_args
 
     setting = overrides_from_args(run_config_args) if run_config_args else {}
     fixed = sorted(set(setting) & set(GRID_KEYS))
@@ -202,8 +202,8 @@ def grade_clients(cfg, adapter_for, eval_round: int, num_clients: int) -> tuple[
     (problems,) and sampled (problems, k), client ``i`` grading ``adapter_for(i)`` with the seeds
     its evaluation in round ``eval_round`` uses."""
     from client_app.worker import setup_heldout
-    from fedopd.heldout import heldout_correctness
-    from fedopd.round import derive_seed
+    from fedopd.engine.heldout import heldout_correctness
+    from fedopd.engine.round import derive_seed
 
     greedy, sampled = [], []
     for i in range(num_clients):
@@ -224,7 +224,7 @@ def final_grades(run: Path) -> Path:
     and problems); a mismatch is an error.
     """
     from fedopd.config import parse_run_config
-    from fedopd.lora import load_adapter
+    from fedopd.models.lora import load_adapter
     from server_app.run_folder import read_rounds, read_run_config
 
     cfg = parse_run_config(read_run_config(run))
@@ -255,7 +255,7 @@ def final_grades(run: Path) -> Path:
 
 def graded_scores(path: Path) -> dict[str, float]:
     """Greedy accuracy, Avg@k and Pass@k (%) from a :func:`final_grades` file."""
-    from fedopd.heldout import heldout_scores
+    from fedopd.engine.heldout import heldout_scores
 
     with np.load(path) as z:
         return heldout_scores(z["greedy"], z["sampled"])
@@ -660,7 +660,7 @@ def plot_trust_budgets(rows: list[dict[str, Any]], out: Path, k: int) -> Path | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedopd.presets import add_run_config_option
+    from fedopd.config.presets import add_run_config_option
 
     p = argparse.ArgumentParser(prog="python -m eval.sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     floats = lambda s: tuple(float(x) for x in s.split(","))  # noqa: E731

@@ -10,7 +10,7 @@ safetensors headers. It checks, in order:
    token ending an assistant turn is in the stop set;
 5. the resolved stop set (``rollout.stop-tokens``);
 6. how many prompts per client survive the ``data.max-prompt-tokens`` filter, and whether the
-   longest prompt plus the longest response fits both models' positions (:mod:`fedopd.positions`);
+   longest prompt plus the longest response fits both models' positions (:mod:`fedopd.models.positions`);
 7. whether vLLM, flash-attention and CUDA are present, which engine ``rollout.backend = auto``
    picks, and whether packed micro-batches stay isolated under this host's attention;
 8. an estimate of GPU memory (teacher, HF student, vLLM's share, loss chunk, activations) against
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from fedopd.config import ConfigError, RunConfig, check_server_requirements, parse_run_config
-from fedopd.errors import ModelLoadError
-from fedopd.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
+from fedopd.config.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
+from fedopd.core.errors import ModelLoadError
 
 GIB = 1024**3
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -88,7 +88,7 @@ def locate_model(name: str, *, hub_timeout: float = 5.0) -> tuple[str, str]:
 
     Raises :class:`ModelLoadError` naming the fix when none has it.
     """
-    from fedopd.models import resolve_model_path
+    from fedopd.models.paths import resolve_model_path
 
     path = resolve_model_path(name)
     if Path(path).is_dir():
@@ -202,7 +202,7 @@ def _guard(report: Report, check: str, fn: Callable[[], Any]) -> Any:
 
 
 def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu_free_gib: float | None = None) -> Report:
-    from fedopd.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
+    from fedopd.models.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
 
     report = Report()
 
@@ -273,8 +273,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     clients = num_clients or cfg.num_clients or 3
 
     def prompts():
-        from client_app.worker import partition_rows
-        from fedopd.data import render_prompt
+        from fedopd.data import partition_rows, render_prompt
 
         counts = []
         for pid in range(clients):
@@ -303,7 +302,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     _guard(report, "prompts", prompts)
 
     def positions():
-        from fedopd.positions import check_run_positions, model_positions, needed_positions
+        from fedopd.models.positions import check_run_positions, model_positions, needed_positions
 
         check_run_positions(cfg, student.config, teacher.config)
         need = needed_positions(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0)
@@ -314,7 +313,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     import torch
 
-    from fedopd.rollout_vllm import vllm_platform
+    from fedopd.rollout.vllm_engine import vllm_platform
 
     cuda = torch.cuda.is_available()
     platform = vllm_platform()
@@ -336,8 +335,8 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
             f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"),
         )
 
+    from fedopd.distill.opd import packed_rows_isolated
     from fedopd.models import attention_implementation, default_device
-    from fedopd.opd import packed_rows_isolated
 
     attention = attention_implementation(default_device())
     if cfg.train.packing == "packed":

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum
 
-from fedopd.config import StrategySettings
+from fedopd.core.settings import StrategySettings
 
 # name -> a Flower strategy whose aggregate_train forms the average (None: the strategy's own FedAvg)
 AGGREGATORS: dict[str, Callable[[StrategySettings], FedAvg] | None] = {

@@ -21,7 +21,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from fedopd.config import StrategySettings, TimeoutSettings
+from fedopd.core.settings import StrategySettings, TimeoutSettings
 from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg

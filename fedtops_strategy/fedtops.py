@@ -41,7 +41,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedopd import lora
+from fedopd.models import lora
 from fedtops_strategy.bounds import all_finite
 from fedtops_strategy.schema import WEIGHT_KEY
 from fedtops_strategy.screening import ReplyScreening, missing_replies, reply_nodes

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedopd.lora import Named, from_record
+from fedopd.models.lora import Named, from_record
 from fedtops_strategy.screening import ReplyScreening
 
 POOLED_CLIENTS = "pooled-clients"  # Centralized's train config: whose rollouts per round it takes

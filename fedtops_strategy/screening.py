@@ -35,7 +35,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.common.logger import log
 from flwr.serverapp.strategy import Krum, MultiKrum
 
-from fedopd.lora import Named, aggregation_errors_from_gram, aggregation_gram, check_compatible, from_record
+from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_gram, check_compatible, from_record
 from fedtops_strategy.bounds import all_finite, capped_weights, clip_scales, clipped, update_norm
 from fedtops_strategy.schema import WEIGHT_KEY, train_metrics_problem
 
@@ -345,7 +345,7 @@ class ReplyScreening:
         """Write the round's ``aggregation-error`` (the factor average against the average of the
         products BA) and ``aggregation-error-applied`` (the same for θ_t + aΔ_t at ``multiplier``)
         to its record, from the Gram matrix built once in ``aggregate_train``
-        (:func:`fedopd.lora.aggregation_errors`; None where the update is 0)."""
+        (:func:`fedopd.models.lora.aggregation_errors`; None where the update is 0)."""
         errors = aggregation_errors_from_gram(*self._aggregation, multiplier) if self._aggregation else {"mean": None, "applied": None}
         self.records[server_round]["aggregation-error"] = errors["mean"]
         self.records[server_round]["aggregation-error-applied"] = errors["applied"]

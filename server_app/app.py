@@ -19,11 +19,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements
-from fedopd.lora import from_record
+from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements, parse_run_config
+from fedopd.core.procinfo import rss_mb
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
-from fedopd.procinfo import rss_mb
-from fedopd.vocab import run_stop_tokens
+from fedopd.models.lora import from_record
+from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.screening import NodesNotConnected
 from server_app.error_lines import reason_line
@@ -53,7 +53,7 @@ def initial_adapter(cfg: RunConfig):
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        cfg = RunConfig.from_run_config(context.run_config)
+        cfg = parse_run_config(context.run_config)
         check_server_requirements(cfg)
         resolve_model_path(cfg.model.student), resolve_model_path(cfg.model.teacher)
     except (ConfigError, ModelLoadError) as err:
@@ -211,7 +211,7 @@ def engine_settings(cfg: RunConfig) -> dict:
     that one dtype (:func:`fedopd.rollout.make_rollout_engine`)."""
     from fedopd.models import default_device, resolve_dtype
     from fedopd.rollout import resolve_backend
-    from fedopd.rollout_vllm import torch_dtype_name, vllm_platform
+    from fedopd.rollout.vllm_engine import torch_dtype_name, vllm_platform
 
     dtype = torch_dtype_name(resolve_dtype(cfg.model.dtype, default_device()))
     # 'vllm' stays 'vllm' where the ServerApp's host has no vLLM: the clients check it on theirs
@@ -221,8 +221,8 @@ def engine_settings(cfg: RunConfig) -> dict:
 
 def check_positions(cfg: RunConfig) -> None:
     """The longest prompt plus the longest response fits the student's and the teacher's positions
-    (:func:`fedopd.positions.check_run_positions`), before anything is written."""
-    from fedopd.positions import check_run_positions, load_model_config
+    (:func:`fedopd.models.positions.check_run_positions`), before anything is written."""
+    from fedopd.models.positions import check_run_positions, load_model_config
 
     try:
         check_run_positions(cfg, load_model_config(cfg.model.student), load_model_config(cfg.model.teacher))

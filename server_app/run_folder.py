@@ -20,7 +20,7 @@ import numpy as np
 from flwr.common.logger import log
 
 from fedopd.config import RunConfig
-from fedopd.lora import save_adapter
+from fedopd.models.lora import save_adapter
 from server_app.error_lines import root_cause
 
 

@@ -59,7 +59,7 @@ def sum_error(n: int, u: float = U32) -> float:
 
 
 def kl_error(p: torch.Tensor, q: torch.Tensor, u: float = U32, inputs_rel: float = 0.0) -> torch.Tensor:
-    """Bound on the error of ``fedopd.cache.kl(p, q)`` = Σ xlogy(p, p) − xlogy(p, q), per row.
+    """Bound on the error of ``fedopd.distill.cache.kl(p, q)`` = Σ xlogy(p, p) − xlogy(p, q), per row.
 
     Each term: log (≤ 1 ulp = 2u relative), product (u), subtraction (u on |p log p| + |p log q|):
     4u·(|p log p| + |p log q|); then the sum of n terms: sum_error(n)·Σ(|p log p| + |p log q|).
@@ -98,7 +98,7 @@ def log_softmax_error(vocab: int, max_abs_logit: float, u: float = U32) -> float
 
 
 def token_kl_error(student_logits: torch.Tensor, teacher_logits: torch.Tensor, u: float = U32) -> torch.Tensor:
-    """Bound on the error of ``fedopd.opd.token_reverse_kl`` (fp32) per position, from the logits given.
+    """Bound on the error of ``fedopd.distill.opd.token_reverse_kl`` (fp32) per position, from the logits given.
 
     KL = Σ p·(s − t) with s, t fp32 log-softmax (errors e_s, e_t from :func:`log_softmax_error`)
     and p = exp(s) (relative error e_s + 2u). With A = Σ p|s − t| (computed here in float64):

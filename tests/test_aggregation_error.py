@@ -1,4 +1,4 @@
-"""The aggregation error of averaging LoRA factors separately (fedopd.lora.aggregation_errors),
+"""The aggregation error of averaging LoRA factors separately (fedopd.models.lora.aggregation_errors),
 checked against explicit d_out × d_in products and hand calculations, and as the strategies
 record it every round."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from fedopd.lora import aggregation_errors, lora_modules, product_gram
+from fedopd.models.lora import aggregation_errors, lora_modules, product_gram
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 

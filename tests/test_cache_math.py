@@ -7,7 +7,7 @@ import pytest
 import torch
 from precision import U32, kl_error, sum_error
 
-from fedopd.cache import cache_positions, choose_cache_rollouts, coarsen, kl, union_top_k
+from fedopd.distill.cache import cache_positions, choose_cache_rollouts, coarsen, kl, union_top_k
 
 # coarsen in fp32: the kept entries are copies (exact); the tail 1 − Σ_k kept is a sum of k + 1
 # terms of magnitude ≤ 1 (sum_error(k + 1)); the expected literals are rounded to fp32 (u each).

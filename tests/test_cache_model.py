@@ -11,8 +11,8 @@ import pytest
 import torch
 from precision import coarse_log_prob_pair_error, logit_error, logsumexp_error, lse_error, sum_error
 
-from fedopd.cache import build_scoring_cache
 from fedopd.config import CacheSettings
+from fedopd.distill.cache import build_scoring_cache
 from fedopd.rollout import Rollouts
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from precision import coarse_kl_pair_error, logit_error, lse_error
 
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.lora import increment
+from fedopd.engine.round import ClientModels, score_round, train_round
+from fedopd.models.lora import increment
 from fedopd.rollout import HFRolloutEngine
-from fedopd.round import ClientModels, score_round, train_round
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_cache_has_four_rollouts_and_at_most_sixteen_positions_each(round_result
 
 
 def test_scoring_cache_survives_the_array_round_trip(round_result):
-    from fedopd.cache import ScoringCache
+    from fedopd.distill.cache import ScoringCache
 
     _, _, out = round_result
     arrays = out.cache.to_arrays()
@@ -85,7 +85,7 @@ def test_scoring_cache_survives_the_array_round_trip(round_result):
 
 
 def test_activation_checkpointing_leaves_the_update_unchanged(tiny_pair):
-    from fedopd.opd import local_opd
+    from fedopd.distill.opd import local_opd
     from fedopd.rollout import SamplingParams
 
     student, teacher = tiny_pair

@@ -55,13 +55,13 @@ def test_total_local_steps_follow_rounds_rollouts_and_mini_batch():
 
 
 def test_dataclass_defaults_are_the_apps_tiny_preset():
-    from fedopd.presets import app_defaults
+    from fedopd.config.presets import app_defaults
 
     assert parse_run_config(app_defaults()) == RunConfig()
 
 
 def test_config_cli_prints_the_resolved_config_of_a_valid_file(tmp_path, capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     good = tmp_path / "good.toml"
     good.write_text('num-server-rounds = 50\n"train.lr" = 9e-6\n')
@@ -70,7 +70,7 @@ def test_config_cli_prints_the_resolved_config_of_a_valid_file(tmp_path, capsys)
 
 
 def test_config_cli_exits_one_naming_a_bad_value_in_a_file(tmp_path, capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     bad = tmp_path / "bad.toml"
     bad.write_text('"strategy.name" = "fedprox"\n')
@@ -79,7 +79,7 @@ def test_config_cli_exits_one_naming_a_bad_value_in_a_file(tmp_path, capsys):
 
 
 def test_config_cli_exits_one_for_a_missing_file(tmp_path, capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     assert main([str(tmp_path / "missing.toml")]) == 1
     assert "does not exist" in capsys.readouterr().err
@@ -118,7 +118,7 @@ def test_a_negative_multiplier_other_than_unset_is_refused():
 def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
     import json
 
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     assert main(["--run-config", "strategy.name='fixed' strategy.multiplier=3.0", "-c", "train.mini-batch=8"]) == 0
     resolved = json.loads(capsys.readouterr().out)
@@ -127,21 +127,21 @@ def test_config_cli_reads_run_config_overrides_as_flwr_run_does(capsys):
 
 
 def test_config_cli_names_the_closest_key_for_a_misspelt_override(capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     assert main(["--run-config", "strategy.nme='fedavg'"]) == 1
     assert "did you mean 'strategy.name'" in capsys.readouterr().err
 
 
 def test_config_cli_applies_the_cross_key_checks_to_overrides(capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     assert main(["-c", "strategy.name='fixed'"]) == 1
     assert "'strategy.multiplier' is not set" in capsys.readouterr().err
 
 
 def test_config_cli_passes_on_flowers_own_message_for_an_override_that_is_not_toml(capsys):
-    from fedopd.presets import main
+    from fedopd.config.presets import main
 
     assert main(["-c", "train.lr=abc"]) == 1
     assert "invalid format" in capsys.readouterr().err

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from fedopd.config import _KEYS, parse_run_config
-from fedopd.config_help import HELP
-from fedopd.config_reference import PAGE, render_page, table
-from fedopd.presets import app_defaults, load_preset, overrides_from_args
+from fedopd.config.help import HELP
+from fedopd.config.presets import app_defaults, load_preset, overrides_from_args
+from fedopd.config.reference import PAGE, render_page, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def test_every_key_has_one_line_of_help_and_a_default():
 
 def test_the_reference_in_docs_configuration_is_the_generated_one():
     page = PAGE.read_text()
-    assert render_page(page, table()) == page, "docs/configuration.md is stale: run python -m fedopd.config_reference --write"
+    assert render_page(page, table()) == page, "docs/configuration.md is stale: run python -m fedopd.config.reference --write"
     for key in _KEYS:  # one row per key, with its default
         assert f"| `{key}` |" in page
 

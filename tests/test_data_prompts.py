@@ -9,7 +9,7 @@ import pytest
 
 from fedopd import data
 from fedopd.config import ConfigError, DataSettings, parse_run_config
-from fedopd.data_prompts import gold_answer, heldout_pool, load_prompt_files, train_pool
+from fedopd.data.prompt_files import gold_answer, heldout_pool, load_prompt_files, train_pool
 
 SUBJECTS = ("algebra", "geometry", "number theory")
 

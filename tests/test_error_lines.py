@@ -216,11 +216,11 @@ def test_a_supernodes_reason_gives_type_and_message():
     assert root_cause(supernode_reason(lambda: _model_config(2176))) == VLLM
 
     def refuse():
-        from fedopd.errors import ModelLoadError
+        from fedopd.core.errors import ModelLoadError
 
         raise ModelLoadError("student 'a' and teacher 'b' must share a tokenizer")
 
-    assert root_cause(supernode_reason(refuse)) == "fedopd.errors.ModelLoadError: student 'a' and teacher 'b' must share a tokenizer"
+    assert root_cause(supernode_reason(refuse)) == "fedopd.core.errors.ModelLoadError: student 'a' and teacher 'b' must share a tokenizer"
 
 
 @pytest.mark.parametrize(

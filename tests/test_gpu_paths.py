@@ -8,7 +8,7 @@ import torch
 from precision import U32, UBF16
 
 from fedopd.rollout import HFRolloutEngine, SamplingParams, make_rollout_engine
-from fedopd.rollout_vllm import request_seeds, vllm_available
+from fedopd.rollout.vllm_engine import request_seeds, vllm_available
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
@@ -64,8 +64,8 @@ def test_client_round_on_cuda_with_the_hf_engine():
 
     from fedopd.config import parse_run_config
     from fedopd.data import encode_prompts, tiny_arith_partition
-    from fedopd.lora import increment
-    from fedopd.round import ClientModels, load_client_models, score_round, train_round
+    from fedopd.engine.round import ClientModels, load_client_models, score_round, train_round
+    from fedopd.models.lora import increment
 
     cfg = parse_run_config(TINY)
     models = load_client_models(cfg.model.student, cfg.model.teacher, lora=cfg.lora, backend="hf", seed=0)
@@ -124,8 +124,8 @@ def test_fp32_head_on_bf16_cuda_gives_the_fp32_product_of_the_bf16_values():
 
 @needs_cuda
 def test_batched_candidate_scores_on_cuda_equal_one_pass_per_candidate():
-    from fedopd.cache import build_scoring_cache, score_candidates
     from fedopd.config import CacheSettings, LoraSettings
+    from fedopd.distill.cache import build_scoring_cache, score_candidates
     from fedopd.models import load_pair
     from fedopd.rollout import Rollouts
 

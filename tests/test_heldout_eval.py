@@ -2,9 +2,9 @@
 
 from fedopd.config import EvalSettings
 from fedopd.data import Prompt
-from fedopd.heldout import evaluate_heldout
+from fedopd.engine.heldout import evaluate_heldout
+from fedopd.engine.round import ClientModels
 from fedopd.rollout import RolloutEngine, Rollouts
-from fedopd.round import ClientModels
 
 
 class Tok:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedopd.lora import apply_increment, check_compatible, from_record, increment
+from fedopd.models.lora import apply_increment, check_compatible, from_record, increment
 
 
 def _arrays(seed):

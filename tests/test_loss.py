@@ -1,4 +1,4 @@
-"""The per-token divergences of ``train.loss`` (fedopd.loss) against float64 references written out
+"""The per-token divergences of ``train.loss`` (fedopd.distill.loss) against float64 references written out
 here, the registry and its run-config key, and their wiring into the local OPD loop.
 
 Notation: s, t are the student's and the teacher's logits, p = softmax(s), q = softmax(t).
@@ -14,8 +14,8 @@ from conftest import TINY
 from precision import U32, log_softmax_error, logsumexp_error, sum_error, token_kl_error
 
 from fedopd.config import ConfigError, parse_run_config
-from fedopd.loss import DIVERGENCES, forward_kl, jsd, reverse_kl
-from fedopd.opd import divergence_mean
+from fedopd.distill.loss import DIVERGENCES, forward_kl, jsd, reverse_kl
+from fedopd.distill.opd import divergence_mean
 
 BETAS = (0.1, 0.5, 0.9)
 
@@ -44,9 +44,9 @@ def _ref_jsd(s_logits, t_logits, beta):
 
 
 def jsd_error(s_logits, t_logits, beta, u=U32):
-    """Bound on the error of fp32 ``fedopd.loss.jsd`` per position (β strictly inside (0, 1)).
+    """Bound on the error of fp32 ``fedopd.distill.loss.jsd`` per position (β strictly inside (0, 1)).
 
-    fedopd.loss.jsd computes, in fp32: log-softmaxes ls, lt (abs. error e_s, e_t per entry,
+    fedopd.distill.loss.jsd computes, in fp32: log-softmaxes ls, lt (abs. error e_s, e_t per entry,
     precision.log_softmax_error; entries within [−(2·max|z| + log V), 0]); the mixture
     lm = logsumexp(ls + c1, lt + c2), c1 = log(1 − β), c2 = log β. Each argument carries its
     log-softmax error, the fp32 rounding of the constant (u·|c|) and of the sum (u·|arg|);
@@ -188,7 +188,7 @@ def _rollouts(student, n, seed):
 
 @pytest.mark.slow
 def test_train_loss_forward_kl_trains_differently_from_reverse_kl(tiny_pair):
-    from fedopd.opd import local_opd
+    from fedopd.distill.opd import local_opd
 
     student, teacher = tiny_pair
     theta = student.get_lora_arrays()
@@ -216,7 +216,7 @@ def test_train_loss_forward_kl_trains_differently_from_reverse_kl(tiny_pair):
 
 @pytest.mark.slow
 def test_the_loss_of_a_jsd_step_is_the_float64_jsd_of_its_logits(tiny_pair):
-    from fedopd.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
+    from fedopd.distill.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
 
     student, teacher = tiny_pair
     theta = student.get_lora_arrays()

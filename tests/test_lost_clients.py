@@ -163,7 +163,7 @@ def _folder(root):
 
 
 def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_message(tmp_path, monkeypatch):
-    from fedopd.errors import ModelLoadError
+    from fedopd.core.errors import ModelLoadError
     from server_app.app import RunFailed
     from server_app.run_folder import read_rounds, read_status
 

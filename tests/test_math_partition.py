@@ -87,8 +87,8 @@ def test_missing_local_data_is_named(tmp_path):
 
 
 def test_client_partition_for_math_needs_three_partitions(math_file):
-    from client_app.worker import partition_rows
     from fedopd.config import DataSettings
+    from fedopd.data import partition_rows
 
     data = DataSettings(name="math", prompts_per_client=20, path=str(math_file), seed=42)
     assert len(partition_rows(data, 2, 3)) == 20

@@ -8,9 +8,9 @@ import pytest
 from model_fixtures import ENDOFTEXT, IM_END
 
 from fedopd.config import LoraSettings
-from fedopd.errors import ModelLoadError
+from fedopd.core.errors import ModelLoadError
+from fedopd.models.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
 from fedopd.rollout import SamplingParams
-from fedopd.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_a_teacher_with_another_token_to_id_map_is_refused_naming_a_token(model_
 
 
 def test_different_eos_conventions_are_logged_once(model_copies, caplog, monkeypatch):
-    monkeypatch.setattr("fedopd.vocab._NOTED", set())  # once per process: forget earlier tests' pairs
+    monkeypatch.setattr("fedopd.models.vocab._NOTED", set())  # once per process: forget earlier tests' pairs
     student, teacher = _files(model_copies, "base-student"), _files(model_copies, "instruct-teacher")
     with caplog.at_level(logging.INFO, logger="fedopd"):
         check_same_vocabulary(student, teacher)
@@ -83,7 +83,7 @@ def _sandbox_prompts(tokenizer, count=8):
 
 
 def _models(student, teacher, stop_tokens="auto"):
-    from fedopd.round import load_client_models
+    from fedopd.engine.round import load_client_models
 
     return load_client_models(student, teacher, lora=LoraSettings(), backend="hf", dtype="float32", stop_tokens=stop_tokens)
 

@@ -8,6 +8,7 @@ import torch
 from precision import PAIR, log_softmax_error, logit_error, logit_scale
 
 from fedopd.config import LoraSettings
+from fedopd.distill.teacher import make_batch, teacher_log_probs
 from fedopd.models import (
     ModelLoadError,
     load_adapter,
@@ -16,8 +17,7 @@ from fedopd.models import (
     resolve_model_path,
     save_adapter,
 )
-from fedopd.teacher import make_batch, teacher_log_probs
-from fedopd.tiny import builtin_model_path
+from fedopd.sandbox.tiny import builtin_model_path
 
 pytestmark = pytest.mark.slow
 

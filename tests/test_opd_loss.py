@@ -8,7 +8,7 @@ import torch
 from precision import PAIR, U32, U64, gradient_error, sum_error, token_kl_error
 
 from fedopd.config import TrainSettings
-from fedopd.opd import (
+from fedopd.distill.opd import (
     cosine_lr,
     load_optimizer_state,
     make_optimizer,

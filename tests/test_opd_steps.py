@@ -8,8 +8,8 @@ import torch
 from precision import PAIR, U32, opd_gradient_error, opd_loss_error
 
 from fedopd.config import TrainSettings
-from fedopd.opd import load_optimizer_state, make_optimizer, minibatch_gradient, optimizer_step
-from fedopd.teacher import make_batch, teacher_hidden
+from fedopd.distill.opd import load_optimizer_state, make_optimizer, minibatch_gradient, optimizer_step
+from fedopd.distill.teacher import make_batch, teacher_hidden
 
 
 def test_adamw_step_uses_betas_weight_decay_clipping_and_the_stored_moments():
@@ -103,8 +103,8 @@ def test_the_loss_is_the_token_mean_over_the_whole_mini_batch(tiny_pair):
 @pytest.mark.slow
 def test_activation_checkpointing_is_enabled_once_per_model_not_once_per_round():
     from fedopd.config import LoraSettings
+    from fedopd.distill.opd import enable_activation_checkpointing
     from fedopd.models import attach_lora, load_causal_lm
-    from fedopd.opd import enable_activation_checkpointing
 
     student = attach_lora(load_causal_lm("builtin:tiny-student"), LoraSettings(), seed=0)
 

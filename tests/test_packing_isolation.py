@@ -11,8 +11,8 @@ versions both ways: isolation where the helper claims it, a real leak where it r
 import pytest
 import torch
 
+from fedopd.distill.opd import packed_rows_isolated, use_packing
 from fedopd.models import CausalLM, resolve_model_path
-from fedopd.opd import packed_rows_isolated, use_packing
 
 # fp32 machine epsilon (2^-23). B alone and B inside [A; B] are the same arithmetic in a different
 # order of roundings (other row length: other matmul / softmax blocking); masked-out keys add an

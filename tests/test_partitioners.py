@@ -10,7 +10,9 @@ import pytest
 
 from fedopd import data
 from fedopd.config import PARTITIONERS, ConfigError, DataSettings, parse_run_config
-from fedopd.data_partition import heldout_allocation, partition_indices, partition_pool, sample_pool, take_heldout
+from fedopd.data import pools
+from fedopd.data.__main__ import main as describe_main
+from fedopd.data.partition import heldout_allocation, partition_indices, partition_pool, sample_pool, take_heldout
 from fedopd.sandbox import task
 
 
@@ -140,8 +142,8 @@ def test_a_sandbox_group_short_of_its_share_names_the_keys_and_the_capacity():
 
 def test_partitions_are_computed_once_per_process(monkeypatch):
     calls = []
-    pool = data._pool
-    monkeypatch.setattr(data, "_pool", lambda *a: calls.append(a) or pool(*a))
+    pool = pools._pool
+    monkeypatch.setattr(pools, "_pool", lambda *a: calls.append(a) or pool(*a))
     data.partitions.cache_clear()
     settings = _sandbox(partitioner="iid", prompts_per_client=4)
     for pid in range(3):
@@ -251,7 +253,7 @@ def test_check_prompt_set_refuses_a_partition_that_cannot_be_made(tmp_path):
 
 def test_describe_prints_each_partition_s_size_mix_and_held_out_counts(capsys):
     # natural over the 3 groups, 4 prompts each; eval.prompts-per-client = 2 held-out of its own group
-    code = data.main(["describe", "-c", "data.partitioner='natural' data.prompts-per-client=4 eval.prompts-per-client=2"])
+    code = describe_main(["describe", "-c", "data.partitioner='natural' data.prompts-per-client=4 eval.prompts-per-client=2"])
     assert code == 0
     assert capsys.readouterr().out.splitlines() == [
         (
@@ -273,7 +275,7 @@ def test_describe_shares_and_the_preset_and_the_plot(tmp_path, capsys, monkeypat
     monkeypatch.setattr(telemetry, "FLWR_TELEMETRY_ENABLED", "0")
     out = tmp_path / "parts.png"
     # the tiny preset (tiny-arith, groups) over 2 partitions: addition, subtraction; no held-out set
-    code = data.main(["describe", "--preset", "tiny", "-c", "data.prompts-per-client=3", "--num-partitions", "2", "--plot", str(out)])
+    code = describe_main(["describe", "--preset", "tiny", "-c", "data.prompts-per-client=3", "--num-partitions", "2", "--plot", str(out)])
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:3] == ["partition 0: 3 prompts; group: addition 3 (100.0%)", "partition 1: 3 prompts; group: subtraction 3 (100.0%)"]
@@ -281,5 +283,5 @@ def test_describe_shares_and_the_preset_and_the_plot(tmp_path, capsys, monkeypat
 
 
 def test_describe_exits_one_naming_the_problem(capsys):
-    assert data.main(["describe", "-c", "data.partitioner='natural'", "--num-partitions", "5"]) == 1
+    assert describe_main(["describe", "-c", "data.partitioner='natural'", "--num-partitions", "5"]) == 1
     assert "num-partitions is 5" in capsys.readouterr().err

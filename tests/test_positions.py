@@ -1,11 +1,11 @@
 """A run's longest prompt plus its longest response must fit the student's and the teacher's
-positions (fedopd.positions): read as vLLM derives them, refused before round 1 naming the keys,
+positions (fedopd.models.positions): read as vLLM derives them, refused before round 1 naming the keys,
 for the HF engine as for vLLM, and vLLM's context never exceeds them."""
 
 import pytest
 
-from fedopd.config import ConfigError, RunConfig
-from fedopd.positions import check_run_positions, engine_context, model_positions, needed_positions, position_problem
+from fedopd.config import ConfigError, parse_run_config
+from fedopd.models.positions import check_run_positions, engine_context, model_positions, needed_positions, position_problem
 
 # config.json facts of real checkpoints (hub pages, 2026-11):
 # Qwen/Qwen3-0.6B-Base: "max_position_embeddings": 32768, "rope_scaling": null.
@@ -91,13 +91,13 @@ def test_the_engine_context_is_what_the_run_needs_capped_at_the_model():
 
 
 def _cfg(**overrides):
-    from fedopd.presets import app_defaults
+    from fedopd.config.presets import app_defaults
 
-    return RunConfig.from_run_config({**app_defaults(), **overrides})
+    return parse_run_config({**app_defaults(), **overrides})
 
 
 def test_the_default_preset_fits_the_sandbox_models():
-    from fedopd.positions import load_model_config
+    from fedopd.models.positions import load_model_config
 
     cfg = _cfg()
     check_run_positions(cfg, load_model_config(cfg.model.student), load_model_config(cfg.model.teacher))
@@ -121,7 +121,7 @@ def test_the_evaluation_cap_is_not_checked_when_the_run_does_not_evaluate():
 def test_the_hf_client_refuses_a_run_past_the_models_positions():
     """The HF engine would run past the positions silently (RoPE extrapolates): the client refuses."""
     from fedopd.config import LoraSettings
-    from fedopd.round import load_client_models
+    from fedopd.engine.round import load_client_models
 
     with pytest.raises(ValueError, match=r"this run needs 2176 positions .* but model.student 'builtin:sandbox-student' has 512"):
         load_client_models(

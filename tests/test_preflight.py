@@ -68,7 +68,7 @@ def test_the_paper_pair_needs_more_than_a_24_gib_card_and_fits_an_80_gib_one(tmp
     = 2.11 GiB; teacher pass 2·6144 x 4096 x 34 = 1.59 GiB; context 0.75 → 24.97 GiB."""
     student = architecture_only("sandbox-student", tmp_path / "student", QWEN3_0_6B)
     teacher = architecture_only("sandbox-teacher", tmp_path / "teacher", QWEN3_8B)
-    from fedopd.presets import load_preset
+    from fedopd.config.presets import load_preset
 
     overrides = {
         **load_preset(REPO / "configs" / "paper-0.6b-1x.toml"),

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from fedopd.config import parse_run_config
-from fedopd.presets import app_defaults, load_preset, main
+from fedopd.config.presets import app_defaults, load_preset, main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = {

@@ -6,8 +6,8 @@ import pytest
 from conftest import TINY
 
 from fedopd.config import parse_run_config
-from fedopd.lora import from_record
 from fedopd.models import load_adapter
+from fedopd.models.lora import from_record
 from server_app.inprocess import InProcessGrid, task_identity
 from server_app.run_folder import read_rounds
 

@@ -25,13 +25,13 @@ from precision import (
     sum_error,
 )
 
-import fedopd.cache as cache_module
-from fedopd.cache import build_scoring_cache, score_candidates
+import fedopd.distill.cache as cache_module
 from fedopd.config import CacheSettings, parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.opd import make_micro_batches, micro_batches, minibatch_gradient, teacher_pass, use_packing
+from fedopd.distill.cache import build_scoring_cache, score_candidates
+from fedopd.distill.opd import make_micro_batches, micro_batches, minibatch_gradient, teacher_pass, use_packing
+from fedopd.engine.round import ClientModels, train_round
 from fedopd.rollout import HFRolloutEngine, Rollouts
-from fedopd.round import ClientModels, train_round
 
 pytestmark = pytest.mark.slow
 
@@ -291,7 +291,7 @@ def _progress_lines(tiny_pair) -> tuple[list[str], ClientModels]:
 
 
 def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeypatch):
-    import fedopd.round as round_module
+    import fedopd.engine.round as round_module
 
     monkeypatch.setattr(round_module, "PROGRESS_AFTER_S", 0.0)  # every phase counts as long
     lines, models = _progress_lines(tiny_pair)

@@ -234,7 +234,7 @@ def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp
     # adapters independently; equal held-out sets per client, so the pooled mean is Local's mean.
     from client_app.app import app
     from fedopd.config import parse_run_config
-    from fedopd.presets import app_defaults
+    from fedopd.config.presets import app_defaults
     from server_app.app import run_server
     from server_app.inprocess import InProcessGrid, task_identity
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedopd.grading import is_correct, last_boxed
+from fedopd.data.grading import is_correct, last_boxed
 from fedopd.sandbox import task
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from precision import U64, kl_error, logsumexp_error, sum_error
 
-from fedopd.cache import ScoringCache, candidate_scores, coarsen, coarsen_logits, kl
+from fedopd.distill.cache import ScoringCache, candidate_scores, coarsen, coarsen_logits, kl
 
 Q = [0.7, 0.2, 0.1]  # q̃: the teacher, coarsened
 P0 = [0.5, 0.3, 0.2]  # π̃_t: the starting student

@@ -10,8 +10,8 @@ from precision import U32, coarse_kl_pair_error, logit_error, lse_error
 
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
+from fedopd.engine.round import ClientModels, train_round
 from fedopd.rollout import HFRolloutEngine
-from fedopd.round import ClientModels, train_round
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_source_swap_runs_on_a_run_folder_and_reports_paired_differences(tmp_pat
 def test_a_source_is_at_distance_zero_from_itself(tmp_path):
     from client_app.app import app
     from eval.source_swap import recover_increment, source_distance
-    from fedopd.lora import load_adapter
+    from fedopd.models.lora import load_adapter
     from server_app.app import run_server
     from server_app.inprocess import InProcessGrid, task_identity
 

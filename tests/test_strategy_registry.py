@@ -10,7 +10,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.config import parse_run_config
-from fedopd.lora import apply_increment, from_record, increment
+from fedopd.models.lora import apply_increment, from_record, increment
 from fedtops_strategy.screening import ReplyScreening
 
 SMALL = {
@@ -133,7 +133,7 @@ def test_the_message_not_the_strategy_name_decides_whether_the_client_builds_a_s
 
 
 def test_a_centralized_learner_message_pools_every_partition_whatever_the_strategy_name(monkeypatch, half_step):
-    from fedopd.round import derive_seed
+    from fedopd.engine.round import derive_seed
 
     given, folders = _client_train(monkeypatch, {"learner": "centralized", "build-scoring-cache": False}, **{"strategy.name": half_step})
     assert given["pooled"] is True

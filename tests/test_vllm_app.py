@@ -7,7 +7,7 @@ import json
 import pytest
 from test_flwr_run import flwr  # noqa: F401 - the fixture: flwr run in an isolated Flower home
 
-from fedopd.rollout_vllm import vllm_platform
+from fedopd.rollout.vllm_engine import vllm_platform
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,4 +1,4 @@
-"""vLLM's arguments, built without vLLM (fedopd.rollout_vllm's pure functions), and one real run
+"""vLLM's arguments, built without vLLM (fedopd.rollout.vllm_engine's pure functions), and one real run
 of the engine where vLLM and CUDA exist."""
 
 import sys
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedopd.rollout import SamplingParams
-from fedopd.rollout_vllm import (
+from fedopd.rollout.vllm_engine import (
     VLLM_MAX_LORA_RANKS,
     VLLM_MAX_TEMPERATURE,
     check_vllm_sampling,
@@ -221,7 +221,7 @@ class _FakeVLLM:
 def test_engine_hands_vllm_the_built_arguments(monkeypatch, tmp_path):
     from fedopd.config import LoraSettings
     from fedopd.models import lora_config
-    from fedopd.rollout_vllm import VLLMRolloutEngine
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine
 
     fake = _FakeVLLM()
     for name, module in fake.modules.items():
@@ -268,7 +268,7 @@ def test_real_vllm_engine_on_the_sandbox_student():
         pytest.skip("no CUDA device: vLLM cannot run")
     from fedopd.config import LoraSettings
     from fedopd.models import attach_lora, load_causal_lm, resolve_model_path
-    from fedopd.rollout_vllm import VLLMRolloutEngine
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine
 
     name = "builtin:sandbox-student"
     student = attach_lora(load_causal_lm(name), LoraSettings(rank=4, alpha=8.0), seed=0)  # rank 4 -> max_lora_rank 8
@@ -308,7 +308,7 @@ def test_real_vllm_engine_on_the_sandbox_student():
 def test_an_engine_that_runs_another_dtype_than_the_hf_student_is_refused(monkeypatch, tmp_path):
     from fedopd.config import LoraSettings
     from fedopd.models import lora_config
-    from fedopd.rollout_vllm import VLLMRolloutEngine
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine
 
     fake = _FakeVLLM()
     fake.runs_in = "bfloat16"  # e.g. a platform that casts float16 to bfloat16
@@ -324,7 +324,7 @@ def test_vllms_cpu_build_refuses_head_sizes_its_attention_does_not_take():
     """vllm/v1/attention/backends/cpu_attn.py: 32, 64, ...; the tiny models' 16 failed at the first forward."""
     import types
 
-    from fedopd.rollout_vllm import cpu_head_size_problem
+    from fedopd.rollout.vllm_engine import cpu_head_size_problem
 
     sandbox = types.SimpleNamespace(head_dim=32, hidden_size=128, num_attention_heads=4)
     tiny = types.SimpleNamespace(head_dim=16, hidden_size=64, num_attention_heads=4)
@@ -342,7 +342,7 @@ def test_an_engine_process_that_fails_to_start_says_where_the_cause_is(monkeypat
     the cause (e.g. too little memory for the KV cache) is in the engine process's log."""
     from fedopd.config import LoraSettings
     from fedopd.models import lora_config
-    from fedopd.rollout_vllm import VLLMRolloutEngine
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine
 
     fake = _FakeVLLM()
 

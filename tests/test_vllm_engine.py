@@ -34,7 +34,7 @@ import torch
 from model_fixtures import ENDOFTEXT, IM_END
 from precision import PAIR, log_softmax_error, logit_error, logit_scale
 
-from fedopd.rollout_vllm import vllm_platform
+from fedopd.rollout.vllm_engine import vllm_platform
 
 pytestmark = [
     pytest.mark.slow,
@@ -73,9 +73,9 @@ def adapters(model_copies, student):
     """Three trained adapters (one client round of local OPD each, on clients 0, 1 and 2) and θ0."""
     from fedopd.config import CacheSettings, RolloutSettings, TrainSettings
     from fedopd.data import encode_prompts
+    from fedopd.engine.round import ClientModels, train_round
     from fedopd.models import load_causal_lm
     from fedopd.rollout import HFRolloutEngine
-    from fedopd.round import ClientModels, train_round
     from fedopd.sandbox.task import client_partition
 
     teacher = load_causal_lm("builtin:sandbox-teacher", dtype="float32", device=torch.device("cpu"))
@@ -103,7 +103,7 @@ def adapters(model_copies, student):
 
 
 def _engine(folder, student_names, lora_config, stop, **kw):
-    from fedopd.rollout_vllm import VLLMRolloutEngine
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine
 
     return VLLMRolloutEngine(
         folder,
@@ -318,7 +318,7 @@ def test_three_logical_clients_share_one_engine_in_a_round(engine, student, adap
 def test_reusing_an_adapter_id_serves_the_stale_weights(engine, student, adapters, monkeypatch):
     """Why every adapter gets a fresh id: the id scheme broken on purpose (the same name and id for
     every adapter) and vLLM keeps serving the first one."""
-    import fedopd.rollout_vllm as rv
+    import fedopd.rollout.vllm_engine as rv
 
     _, (a, b, _) = adapters
     fresh = rv.lora_request_kwargs

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from client_app.worker import setup, setup_heldout
 from fedopd.config import LoraSettings, parse_run_config
+from fedopd.config.presets import app_defaults
 from fedopd.data import round_indices
-from fedopd.heldout import evaluate_heldout
+from fedopd.engine.heldout import evaluate_heldout
+from fedopd.engine.round import ClientModels, derive_seed
 from fedopd.models import attach_lora, load_causal_lm
-from fedopd.presets import app_defaults
 from fedopd.rollout import HFRolloutEngine, SamplingParams
-from fedopd.round import ClientModels, derive_seed
 
 
 def main() -> None:

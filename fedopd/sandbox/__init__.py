@@ -1,5 +1,8 @@
-"""The CPU sandbox: a synthetic step-by-step arithmetic task and small trained Qwen3 models.
+"""The built-in worlds that need no download: the CPU sandbox (a synthetic step-by-step arithmetic
+task and small trained Qwen3 models) and the random tiny models. Imports only :mod:`fedopd.core`
+(``train.py``, a command, uses the layers above).
 
+* :mod:`fedopd.sandbox.tiny`: ``builtin:tiny-student`` and ``builtin:tiny-teacher``, built on first use.
 * :mod:`fedopd.sandbox.task`: the ``sandbox`` data (three skill groups that share sub-skills).
 * :mod:`fedopd.sandbox.train`: ``python -m fedopd.sandbox.train`` regenerates the shipped
   ``builtin:sandbox-teacher`` and ``builtin:sandbox-student`` from a seed.
@@ -21,7 +24,7 @@ def sandbox_model_path(name: str) -> Path:
     JSON files, so the complete folder is looked up in the installed ``fedtops`` package on
     ``sys.path`` (the editable install's source tree, or site-packages).
     """
-    from fedopd.errors import ModelLoadError
+    from fedopd.core.errors import ModelLoadError
 
     if name not in SANDBOX_MODELS:
         raise ModelLoadError(f"unknown sandbox model 'builtin:{name}'; allowed: " + ", ".join(f"builtin:{n}" for n in SANDBOX_MODELS))

@@ -34,7 +34,7 @@ import torch
 
 from fedopd.sandbox import MODELS_DIR
 from fedopd.sandbox.task import GROUPS, problems
-from fedopd.tiny import CHAT_TEMPLATE, TinySpec, build_model
+from fedopd.sandbox.tiny import CHAT_TEMPLATE, TinySpec, build_model
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -155,7 +155,7 @@ def sft(
 def heldout_accuracy(path: str, count: int, max_new_tokens: int = 192) -> dict[str, float]:
     """Greedy accuracy (percent) per group on ``count`` held-out problems, loaded from ``path``."""
     from fedopd.data import encode_prompts
-    from fedopd.grading import is_correct
+    from fedopd.data.grading import is_correct
     from fedopd.models import load_causal_lm
     from fedopd.rollout import HFRolloutEngine, SamplingParams
     from fedopd.sandbox.task import EVAL_SEED

@@ -72,7 +72,7 @@ def without_timings(value):
 
 
 def preset_overrides(preset: str) -> dict:
-    from fedopd.presets import load_preset
+    from fedopd.config.presets import load_preset
 
     return {} if preset == "sandbox" else load_preset(REPO / "configs" / f"{preset}.toml")
 
@@ -85,7 +85,7 @@ def fingerprint(run: Path) -> dict:
 
 
 def run_preset(preset: str, output_dir: str) -> Path:
-    from fedopd.presets import app_defaults
+    from fedopd.config.presets import app_defaults
     from server_app.inprocess import run_in_process
 
     return run_in_process({**app_defaults(), **preset_overrides(preset), "output-dir": output_dir})

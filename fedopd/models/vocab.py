@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fedopd.errors import ModelLoadError
+from fedopd.core.errors import ModelLoadError
 
 LOG = logging.getLogger("fedopd")
 STOP_TOKENS_KEY = "rollout.stop-tokens"
@@ -48,7 +48,7 @@ class ModelFiles:
         """Tokenizer, config and generation config of a hub id, local folder or built-in name."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from fedopd.models import resolve_model_path
+        from fedopd.models.paths import resolve_model_path
 
         path = resolve_model_path(name)
         try:

@@ -113,7 +113,7 @@ def builtin_model_path(name: str, root: Path | None = None) -> Path:
     see a half-written model.
     """
     if name not in TINY_MODELS:
-        from fedopd.errors import ModelLoadError
+        from fedopd.core.errors import ModelLoadError
 
         raise ModelLoadError(f"unknown built-in model 'builtin:{name}'; allowed: " + ", ".join(f"builtin:{n}" for n in TINY_MODELS))
     root = (root or cache_root()) / VERSION

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedopd.config import EvalSettings
+from fedopd.core.settings import EvalSettings
 from fedopd.data import Prompt
-from fedopd.grading import is_correct
-from fedopd.metrics import avg_at_k, pass_at_k
+from fedopd.data.grading import is_correct
+from fedopd.engine.metrics import avg_at_k, pass_at_k
 from fedopd.rollout import Rollouts, SamplingParams
 
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedopd.cache import ScoringCache, build_scoring_cache, score_candidates
-from fedopd.config import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
+from fedopd.core.settings import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
 from fedopd.data import Prompt, round_indices
-from fedopd.grading import is_correct
-from fedopd.heldout import evaluate_heldout, heldout_correctness  # noqa: F401 - re-exported: the old import path
-from fedopd.models import CausalLM, load_pair
-from fedopd.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
-from fedopd.positions import engine_context, model_positions
+from fedopd.data.grading import is_correct
+from fedopd.distill.cache import ScoringCache, build_scoring_cache, score_candidates
+from fedopd.distill.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
+from fedopd.engine.heldout import evaluate_heldout, heldout_correctness  # noqa: F401 - re-exported: the old import path
+from fedopd.models.load import CausalLM, load_pair
+from fedopd.models.positions import engine_context, model_positions
+from fedopd.models.vocab import ModelFiles, StopTokens, resolve_stop_tokens
 from fedopd.rollout import RolloutEngine, SamplingParams, make_rollout_engine
-from fedopd.vocab import ModelFiles, StopTokens, resolve_stop_tokens
 
 
 @dataclass
@@ -56,7 +56,7 @@ def load_client_models(
 
     ``max_model_len``: the positions the run needs (``data.max-prompt-tokens`` plus the longer of
     ``rollout.max-new-tokens`` and ``eval.max-new-tokens``), refused if the student or the teacher
-    has fewer (:mod:`fedopd.positions`); None = the student's own positions.
+    has fewer (:mod:`fedopd.models.positions`); None = the student's own positions.
     """
     s, t = load_pair(student, teacher, lora=lora, seed=seed, dtype=dtype)
     if max_model_len is not None:

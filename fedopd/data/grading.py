@@ -61,7 +61,7 @@ class GradingError(RuntimeError):
 
 
 class _Worker:
-    """One grading subprocess (``python -m fedopd._grade_worker``), JSON lines over pipes.
+    """One grading subprocess (``python -m fedopd.data._grade_worker``), JSON lines over pipes.
 
     Started on first use; a request that overruns its deadline kills it, and the next request
     starts a fresh one. Start-up (importing math-verify) does not count against a request.
@@ -91,7 +91,7 @@ class _Worker:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "fedopd._grade_worker"],
+            [sys.executable, "-m", "fedopd.data._grade_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -1,5 +1,5 @@
 """One line of help per run-config key: the meaning column of the generated reference in
-docs/configuration.md (``python -m fedopd.config_reference``). A key of :mod:`fedopd.config` without
+docs/configuration.md (``python -m fedopd.config.reference``). A key of :mod:`fedopd.config` without
 an entry here fails ``tests/test_config_reference.py``."""
 
 HELP: dict[str, str] = {

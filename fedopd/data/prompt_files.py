@@ -25,12 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from fedopd.config import DataSettings
+from fedopd.core.settings import DataSettings
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 HELDOUT_SHARE = 5  # without an eval source, one problem in 5 is held out
@@ -108,7 +106,7 @@ def gold_answer(value) -> str | None:
 
     None when the cell is empty, or has a ``\\boxed`` without a complete answer.
     """
-    from fedopd.grading import last_boxed
+    from fedopd.data.grading import last_boxed
 
     if value is None:
         return None

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedopd.lora import name_mismatch, save_adapter
-from fedopd.rollout_types import RolloutEngine, Rollouts, SamplingParams
+from fedopd.models.lora import name_mismatch, save_adapter
+from fedopd.rollout.interface import RolloutEngine, Rollouts, SamplingParams
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 VLLM_MAX_TEMPERATURE = 2.0  # vllm/sampling_params.py SamplingParams._verify_args: temperature in [0, 2]
@@ -265,7 +265,7 @@ class VLLMRolloutEngine(RolloutEngine):
         The adapter's factor names (wire order) and ``peft.LoraConfig``, to write adapter folders.
         Its rank ``r`` is rounded up to a ``max_lora_rank`` vLLM accepts (:func:`vllm_lora_rank`).
     max_model_len : int
-        Prompt plus response tokens, at most the model's positions (:func:`fedopd.positions.engine_context`).
+        Prompt plus response tokens, at most the model's positions (:func:`fedopd.models.positions.engine_context`).
     gpu_memory_utilization : float
         vLLM's share of the GPU (weights + KV cache), leaving the rest to the HF student and teacher.
         On vLLM's CPU build: its share of the host's memory (0.1 is plenty for the sandbox models).

@@ -1,7 +1,7 @@
 """Presets: the app's defaults, run-config TOML files, ``--run-config`` overrides, and the
 command that validates them.
 
-``python -m fedopd.config [FILE.toml] [--run-config ...]`` (or ``python -m fedopd.presets``)
+``python -m fedopd.config [FILE.toml] [--run-config ...]`` (or ``python -m fedopd.config.presets``)
 validates a preset over the app's defaults (the ``[tool.flwr.app.config]`` table of
 ``pyproject.toml``) exactly as ``flwr run`` would receive it, without loading any model, and prints
 the resolved configuration as JSON with the run-config key names.
@@ -17,12 +17,13 @@ from typing import Any
 
 import tomllib
 
-from fedopd.config import ConfigError, check_server_requirements, parse_run_config
+from fedopd.config.parse import check_server_requirements, parse_run_config
+from fedopd.core.errors import ConfigError
 
 
 def app_defaults(pyproject: str | Path | None = None) -> dict[str, Any]:
     """The ``[tool.flwr.app.config]`` table of the app's ``pyproject.toml``."""
-    path = Path(pyproject) if pyproject else Path(__file__).resolve().parent.parent / "pyproject.toml"
+    path = Path(pyproject) if pyproject else Path(__file__).resolve().parents[2] / "pyproject.toml"
     with open(path, "rb") as f:
         return dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
 

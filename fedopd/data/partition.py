@@ -22,12 +22,10 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from fedopd.config import DataSettings
+from fedopd.core.settings import DataSettings
 
 _SAMPLE_SALT = 1  # the seeded sample (and shuffle) of the pool
 LABEL = "label"  # the column the partitioners read (the values of data.partition-by, as strings)

@@ -3,7 +3,7 @@
 import json
 import sys
 
-from fedopd.grading import verify_boxed
+from fedopd.data.grading import verify_boxed
 
 
 def main() -> None:

@@ -106,7 +106,7 @@ def engine_context(config: Any, needed: int | None) -> int:
 def check_run_positions(cfg, student_config: Any, teacher_config: Any) -> None:
     """Refuse a run (:class:`~fedopd.config.ConfigError`) whose rollouts cannot fit the student or the
     teacher: both see every prompt and response. ``cfg``: the :class:`~fedopd.config.RunConfig`."""
-    from fedopd.config import ConfigError
+    from fedopd.core.errors import ConfigError
 
     lengths = dict(
         max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -123,8 +123,8 @@ def load_model_config(name: str):
     """The ``config.json`` of a hub id, local folder or built-in model (no weights, no tokenizer)."""
     from transformers import AutoConfig
 
-    from fedopd.errors import ModelLoadError
-    from fedopd.models import resolve_model_path
+    from fedopd.core.errors import ModelLoadError
+    from fedopd.models.paths import resolve_model_path
 
     path = resolve_model_path(name)
     try:

@@ -1,9 +1,9 @@
 """Loading the student and the teacher, and the student's LoRA adapter.
 
 Both models load with ``transformers`` from a hub id or a local folder (the built-in tiny models of
-:mod:`fedopd.tiny` are local folders too, so they take exactly this path). Computation runs in
+:mod:`fedopd.sandbox.tiny` are local folders too, so they take exactly this path). Computation runs in
 bf16 on GPU and fp32 on CPU; the LoRA factors are fp32 in both cases (PEFT upcasts adapters), and
-they cross the wire as fp32 numpy arrays keyed by PEFT's factor names (:mod:`fedopd.lora`, which
+they cross the wire as fp32 numpy arrays keyed by PEFT's factor names (:mod:`fedopd.models.lora`, which
 also reads and writes adapter folders).
 
 :class:`CausalLM` exposes the two halves of a forward pass separately, final hidden states and the
@@ -13,82 +13,22 @@ positions) or chunk by chunk (the OPD loss).
 
 from __future__ import annotations
 
-import importlib.util
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from fedopd.config import LoraSettings
-from fedopd.errors import ModelLoadError  # re-exported: callers import it from here
-from fedopd.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, name_mismatch, save_adapter  # noqa: F401 - re-exported
-from fedopd.loss import fp32_head  # re-exported: callers import it from here
+from fedopd.core.errors import ModelLoadError
+from fedopd.core.settings import LoraSettings
+from fedopd.models.head import fp32_head
+from fedopd.models.lora import name_mismatch
+from fedopd.models.paths import attention_implementation, default_device, resolve_dtype, resolve_model_path
+from fedopd.models.vocab import ModelFiles, check_same_vocabulary
 
 # PEFT under transformers 5 calls a renamed property on every forward; the warning is upstream's.
 warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-# ---------------------------------------------------------------------------------------------
-# Devices, dtypes, names
-# ---------------------------------------------------------------------------------------------
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on GPU, fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 when it is importable and a GPU is used, else PyTorch SDPA."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-BUILTIN_MODELS = ("builtin:sandbox-student", "builtin:sandbox-teacher", "builtin:tiny-student", "builtin:tiny-teacher")
-
-
-def resolve_model_path(name: str) -> str:
-    """A local folder, a hub id, or a built-in model (:data:`BUILTIN_MODELS`).
-
-    ``builtin:sandbox-*`` are the trained sandbox models shipped in the package
-    (:mod:`fedopd.sandbox`); ``builtin:tiny-*`` are random tiny models built on first use
-    (:mod:`fedopd.tiny`). Raises :class:`ModelLoadError` for a name that is none of these,
-    before anything is loaded.
-    """
-    if name.startswith("builtin:"):
-        from fedopd.sandbox import SANDBOX_MODELS, sandbox_model_path
-        from fedopd.tiny import builtin_model_path
-
-        short = name.removeprefix("builtin:")
-        if short in SANDBOX_MODELS:
-            return str(sandbox_model_path(short))
-        if f"builtin:{short}" not in BUILTIN_MODELS:
-            raise ModelLoadError(f"unknown built-in model '{name}'; allowed: {', '.join(BUILTIN_MODELS)}")
-        return str(builtin_model_path(short))
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model path '{name}' exists but has no config.json: not a transformers model folder")
-        return str(path)
-    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
-        raise ModelLoadError(
-            f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', or one of {', '.join(BUILTIN_MODELS)}"
-        )
-    return name
-
 
 # ---------------------------------------------------------------------------------------------
 # The model wrapper
@@ -263,9 +203,7 @@ def attach_lora(lm: CausalLM, settings: LoraSettings, seed: int) -> CausalLM:
 
 def check_same_tokenizer(student: CausalLM, teacher: CausalLM) -> None:
     """Refuse a pair whose vocabularies (token → id) differ: OPD compares distributions token id by
-    token id. Different EOS conventions are allowed (:func:`fedopd.vocab.check_same_vocabulary`)."""
-    from fedopd.vocab import ModelFiles, check_same_vocabulary
-
+    token id. Different EOS conventions are allowed (:func:`fedopd.models.vocab.check_same_vocabulary`)."""
     check_same_vocabulary(ModelFiles.of(student), ModelFiles.of(teacher))
 
 

@@ -1,6 +1,6 @@
 """The rollout request contract that every engine honours: :class:`SamplingParams` in,
 :class:`Rollouts` out, through a :class:`RolloutEngine`. The engines live in
-:mod:`fedopd.rollout` (Hugging Face) and :mod:`fedopd.rollout_vllm` (vLLM); both import this
+:mod:`fedopd.rollout` (Hugging Face) and :mod:`fedopd.rollout.vllm_engine` (vLLM); both import this
 module, and neither imports the other at module level.
 """
 

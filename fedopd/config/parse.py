@@ -1,0 +1,215 @@
+"""Parsing and validation: a flat run-config dict becomes one frozen :class:`RunConfig`.
+
+Flower hands the ClientApp and the ServerApp a flat ``run_config`` dict whose keys are grouped
+by prefix (docs/configuration.md): ``model.student``, ``train.lr``, ``strategy.trust-budget``, ... This module
+turns that dict into a frozen :class:`RunConfig` (its groups and key table: :mod:`fedopd.core.settings`),
+and rejects any bad value before work starts with a :class:`ConfigError` that names the key, the value
+and what is allowed. Names chosen from a registry (``data.name``: :data:`fedopd.data.DATASETS`) are
+checked against it here, above every registry (the prompt sets, the divergences, the strategies), so that a registered name is valid wherever it was added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fedopd.core.errors import ConfigError
+from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig, StrategySettings
+from fedopd.data.registry import DATASETS as PROMPT_SETS
+from fedopd.distill.loss import DIVERGENCES
+from fedopd.rollout.vllm_engine import check_vllm_sampling
+from fedtops_strategy.factory import STRATEGIES
+
+# Keys whose allowed values are a registry's names, read at validation time (a registry may grow):
+# the registries live below this module, and registering a name makes it valid everywhere.
+REGISTERED = {"data.name": PROMPT_SETS, "train.loss": DIVERGENCES, "strategy.name": STRATEGIES}
+
+
+def allowed_values(key: str) -> str:
+    """What ``key`` allows, as error messages and the generated reference say it."""
+    if key in REGISTERED:
+        return "one of " + ", ".join(repr(n) for n in REGISTERED[key])
+    return str(_KEYS[key][1][2])
+
+
+def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
+    return ConfigError(f"run config '{key}' = {value!r} is invalid{': ' + why if why else ''}; allowed: {allowed}")
+
+
+def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise _fail(key, value, allowed)
+    if isinstance(value, bool):  # bool is an int subclass; never a valid number or string here
+        raise _fail(key, value, allowed)
+    if typ is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise _fail(key, value, allowed)
+    if typ is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise _fail(key, value, allowed)
+    if not isinstance(value, str):
+        raise _fail(key, value, allowed)
+    return value
+
+
+def parse_candidates(text: str, key: str = "strategy.candidates") -> tuple[float, ...]:
+    """Parse ``'0.5,1,2'`` into ``(0.5, 1.0, 2.0)``; order is kept (it breaks ties)."""
+    allowed = _KEYS[key][1][2]
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(not p for p in parts):
+        raise _fail(key, text, allowed, "empty entry")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError as err:
+        raise _fail(key, text, allowed, str(err)) from None
+    if any(not math.isfinite(a) or a < 0 for a in values):
+        raise _fail(key, text, allowed, "every candidate must be finite and >= 0")
+    if len(set(values)) != len(values):
+        raise _fail(key, text, allowed, "duplicate candidates")
+    return values
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """Validate a flat run-config dict (missing keys take the dataclass defaults)."""
+    unknown = sorted(set(run_config) - set(_KEYS))
+    if unknown:
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, RUN_CONFIG_KEYS, n=1, cutoff=0.6)
+            named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"unknown run config key(s) {', '.join(named)}; allowed keys: {', '.join(RUN_CONFIG_KEYS)}")
+    values: dict[tuple[str, ...], Any] = {}
+    for key, raw in run_config.items():
+        path, (typ, check, _) = _KEYS[key]
+        if key == "strategy.candidates":
+            values[path] = parse_candidates(raw) if isinstance(raw, str) else _candidates_from_seq(raw)
+            continue
+        value = _coerce(key, raw, typ, allowed_values(key))
+        if not check(value) or (key in REGISTERED and value not in REGISTERED[key]):
+            raise _fail(key, raw, allowed_values(key))
+        values[path] = value
+
+    groups: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for path, value in values.items():
+        if len(path) == 1:
+            top[path[0]] = value
+        else:
+            groups.setdefault(path[0], {})[path[1]] = value
+    base = RunConfig()
+    for group, fields in groups.items():
+        top[group] = dataclasses.replace(getattr(base, group), **fields)
+    cfg = dataclasses.replace(base, **top)
+    _check_cross(cfg)
+    return cfg
+
+
+def _candidates_from_seq(raw: Any) -> tuple[float, ...]:
+    if isinstance(raw, (list, tuple)):
+        return parse_candidates(",".join(str(a) for a in raw))
+    raise _fail("strategy.candidates", raw, _KEYS["strategy.candidates"][1][2])
+
+
+def _check_cross(cfg: RunConfig) -> None:
+    if cfg.strategy.name == "fixed" and cfg.strategy.multiplier == UNSET_MULTIPLIER:
+        raise ConfigError(
+            "run config 'strategy.multiplier' is not set, and 'strategy.name' = 'fixed' needs it; "
+            "allowed: a finite number >= 0, e.g. --run-config \"strategy.name='fixed' strategy.multiplier=3.0\""
+        )
+    t = cfg.train
+    if t.mini_batch % t.micro_batch:
+        raise ConfigError(
+            f"run config 'train.mini-batch' = {t.mini_batch} is not a multiple of "
+            f"'train.micro-batch' = {t.micro_batch}; allowed: a mini-batch that the micro-batch divides"
+        )
+    if cfg.eval.every and PROMPT_SETS[cfg.data.name].heldout_rows is None:
+        with_heldout = [name for name, prompt_set in PROMPT_SETS.items() if prompt_set.heldout_rows is not None]
+        raise ConfigError(
+            f"run config 'eval.every' = {cfg.eval.every} needs held-out problems per client, which "
+            f"'data.name' = {cfg.data.name!r} does not have; allowed: 0 (evaluate with python -m eval.run), "
+            f"or data.name one of {', '.join(repr(d) for d in with_heldout)}"
+        )
+    prompt_set = PROMPT_SETS[cfg.data.name]
+    if cfg.data.partitioner not in prompt_set.partitioners:
+        raise ConfigError(
+            f"run config 'data.partitioner' = {cfg.data.partitioner!r} is not defined for 'data.name' = "
+            f"{cfg.data.name!r}; allowed: {', '.join(repr(p) for p in prompt_set.partitioners)}"
+        )
+    if cfg.num_clients and cfg.strategy.min_train_clients > cfg.num_clients:
+        raise ConfigError(
+            f"run config 'strategy.min-train-clients' = {cfg.strategy.min_train_clients} exceeds 'num-clients' = "
+            f"{cfg.num_clients}; allowed: at most the number of clients"
+        )
+    if cfg.rollout.backend in ("vllm", "auto"):  # auto may pick vLLM on a GPU host
+        for key, value in (("rollout.temperature", cfg.rollout.temperature), ("eval.temperature", cfg.eval.temperature)):
+            try:
+                check_vllm_sampling(value, key)
+            except ValueError as err:
+                raise ConfigError(f"run config '{key}' = {value!r} is invalid with 'rollout.backend' = {cfg.rollout.backend!r}: {err}") from None
+    _check_robustness(cfg)
+    if cfg.cache.rollouts > cfg.rollout.per_round:
+        raise ConfigError(
+            f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "
+            f"{cfg.rollout.per_round}; allowed: at most the number of rollouts per round"
+        )
+
+
+# Strategies that average client updates (the robustness keys act on that average).
+AVERAGING_STRATEGIES = ("fedavg", "fixed", "fedtops")
+
+
+def _check_robustness(cfg: RunConfig) -> None:
+    """The robustness keys make sense only where updates are averaged, or scored (FedTOPS)."""
+    s, base = cfg.strategy, StrategySettings()
+    if s.name not in AVERAGING_STRATEGIES:
+        for key, attr in (("strategy.aggregator", "aggregator"), ("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")):
+            if getattr(s, attr) != getattr(base, attr):
+                raise ConfigError(
+                    f"run config '{key}' = {getattr(s, attr)!r} acts on the average of client updates, which "
+                    f"'strategy.name' = {s.name!r} does not form; allowed: its default {getattr(base, attr)!r}, "
+                    f"or strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}"
+                )
+    if s.name != "fedtops":
+        for key, attr in (("strategy.max-vetoes", "max_vetoes"), ("strategy.score-aggregate", "score_aggregate")):
+            if getattr(s, attr) != getattr(base, attr):
+                raise ConfigError(
+                    f"run config '{key}' = {getattr(s, attr)!r} acts on FedTOPS's score replies; allowed: its default "
+                    f"{getattr(base, attr)!r}, or strategy.name = 'fedtops'"
+                )
+    if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
+        raise ConfigError(
+            f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "
+            f"'strategy.aggregator' one of 'krum', 'multikrum' (now {s.aggregator!r})"
+        )
+
+
+def check_server_requirements(cfg: RunConfig) -> None:
+    """What the ServerApp's host needs beyond the core install, checked before round 1."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "run config 'logging.tensorboard' = true needs the tensorboard package on the ServerApp's host; "
+            "allowed: false, or install it with pip install -e '.[tensorboard]'"
+        )
