@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -21,6 +22,11 @@ _OWN_CACHE = []
 
 
 def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ:  # one compute thread per worker (and its subprocesses)
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, "1")
+        if "torch" in sys.modules:  # a plugin imported it before the variable could act
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # Tests build the tiny models into a cache of their own unless one is given; it is removed
     # when the session ends.
     if "FEDTOPS_CACHE" not in os.environ:
@@ -28,6 +34,58 @@ def pytest_configure(config):
 
         os.environ["FEDTOPS_CACHE"] = tempfile.mkdtemp(prefix="fedtops-test-cache-")
         _OWN_CACHE.append(os.environ["FEDTOPS_CACHE"])
+
+
+# The suite runs on every core (pytest-xdist, -n auto in pyproject.toml), each test on its own
+# except for groups that run one test after another on one worker (GROUPS, by the scheduler below):
+# - tests that start a local Ray instance (Flower's simulation, the resident worker): a Ray client
+#   started without an address joins the latest local instance, so two of them must not overlap;
+# - the tests that read one shared deployment (a module fixture of tests/test_deployment.py), so
+#   that one worker deploys it once. The other deployment tests start their own Ray with an explicit
+#   address, port and temporary folder (scripts/local-deployment.sh) and spread over the workers.
+# (xdist's own --dist loadgroup does not group under pytest 9: its nodeid suffix is ignored.)
+# Each worker computes with one thread (pytest_configure): two workers of two threads each on two
+# cores spin against each other, and ran the suite slower than one process did.
+RAY_FILES = {"test_flwr_run.py", "test_vllm_app.py", "test_simulation.py", "test_ray_auth.py", "test_resident.py"}
+SHARED_FIXTURES = {"tests/test_deployment.py": ("tls_run", "lost_run")}
+
+
+def _shared_fixture_users(path: str, fixtures: tuple[str, ...]) -> dict[str, str]:
+    """{test function name: the shared fixture it takes}, read from the test file's source."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parent.parent / path).read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            for arg in node.args.args:
+                if arg.arg in fixtures:
+                    out[node.name] = arg.arg
+    return out
+
+
+def schedule_unit(nodeid: str, users: dict[str, dict[str, str]]) -> str:
+    """The scheduling unit of a test: a group name, or the test itself."""
+    path, _, rest = nodeid.partition("::")
+    if path.rsplit("/", 1)[-1] in RAY_FILES:
+        return "ray"
+    name = rest.split("[", 1)[0]
+    if name in users.get(path, {}):
+        return f"{path}::{users[path][name]}"
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    users = {path: _shared_fixture_users(path, fixtures) for path, fixtures in SHARED_FIXTURES.items()}
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return schedule_unit(nodeid, users)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_unconfigure(config):
