@@ -1,5 +1,6 @@
 """No two modules of the project import each other, directly or through others, counting the
-imports inside functions too (a lazy import hides a cycle from Python, not from the reader)."""
+imports inside functions too (a lazy import hides a cycle from Python, not from the reader); and
+each package imports only the layers below it (docs/architecture.md draws them)."""
 
 import ast
 from pathlib import Path

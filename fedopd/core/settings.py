@@ -93,7 +93,7 @@ class TrainSettings:
     loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
     packing: str = "auto"  # micro-batches packed (padding-free) or padded; auto: packed with flash-attention 2
     exact_kl: bool = False  # also report kl_before / kl_after over all rollouts (two extra student passes)
-    loss: str = "reverse_kl"  # the per-token divergence (fedopd.loss.DIVERGENCES); the paper's reverse KL
+    loss: str = "reverse_kl"  # the per-token divergence (fedopd.distill.loss.DIVERGENCES); the paper's reverse KL
     loss_beta: float = 0.5  # β of train.loss = 'jsd' (0 = forward KL, 1 = reverse KL)
 
 
