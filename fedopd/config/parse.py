@@ -39,15 +39,16 @@ def _fail(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
     return ConfigError(f"run config '{key}' = {value!r} is invalid{': ' + why if why else ''}; allowed: {allowed}")
 
 
-def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """``value`` as ``typ``; what ``key`` allows is computed only for the error."""
     if typ is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
-        raise _fail(key, value, allowed)
+        raise _fail(key, value, allowed_values(key))
     if isinstance(value, bool):  # bool is an int subclass; never a valid number or string here
-        raise _fail(key, value, allowed)
+        raise _fail(key, value, allowed_values(key))
     if typ is int:
         if isinstance(value, float) and value.is_integer():
             return int(value)
@@ -58,7 +59,7 @@ def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
                 return int(value.strip())
             except ValueError:
                 pass
-        raise _fail(key, value, allowed)
+        raise _fail(key, value, allowed_values(key))
     if typ is float:
         if isinstance(value, (int, float)):
             return float(value)
@@ -67,9 +68,9 @@ def _coerce(key: str, value: Any, typ: type, allowed: str) -> Any:
                 return float(value.strip())
             except ValueError:
                 pass
-        raise _fail(key, value, allowed)
+        raise _fail(key, value, allowed_values(key))
     if not isinstance(value, str):
-        raise _fail(key, value, allowed)
+        raise _fail(key, value, allowed_values(key))
     return value
 
 
@@ -105,7 +106,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         if key == "strategy.candidates":
             values[path] = parse_candidates(raw) if isinstance(raw, str) else _candidates_from_seq(raw)
             continue
-        value = _coerce(key, raw, typ, allowed_values(key))
+        value = _coerce(key, raw, typ)
         if not check(value) or (key in REGISTERED and value not in REGISTERED[key]):
             raise _fail(key, raw, allowed_values(key))
         values[path] = value
