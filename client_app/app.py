@@ -22,8 +22,11 @@ strategy's name (:mod:`client_app.handlers`).
 
 from __future__ import annotations
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
+from flwr.common.constant import ErrorCode
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedopd.config import parse_run_config
 
@@ -76,7 +79,25 @@ def _replace_state(state: RecordDict, new: RecordDict) -> None:
         state[key] = value
 
 
-@app.train()
+# privacy.side = 'client': the train message names which of Flower's clipping mods clips the reply
+# (fedtops_strategy/privacy.py sets both keys); without them the reply goes out as the handler made it.
+CLIPPING_MODS = {"fixed": fixedclipping_mod, "adaptive": adaptiveclipping_mod}
+
+
+def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
+    """Flower's ``fixedclipping_mod`` or ``adaptiveclipping_mod`` when the train config asks for
+    client-side clipping (``clipping_norm`` and ``privacy-clipping``), else nothing."""
+    config = msg.content.config_records.get("config")
+    if config is None or KEY_CLIPPING_NORM not in config:
+        return call_next(msg, context)
+    mode = config.get("privacy-clipping")
+    if mode not in CLIPPING_MODS:
+        reason = f"train config 'privacy-clipping' = {mode!r}: expected one of {', '.join(map(repr, CLIPPING_MODS))}"
+        return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
+    return CLIPPING_MODS[mode](msg, context, call_next)
+
+
+@app.train(mods=[privacy_clipping_mod])
 def train(msg: Message, context: Context) -> Message:
     return handle("train", msg, context)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from fedopd.core.settings import StrategySettings, TimeoutSettings
+from fedopd.core.settings import PrivacySettings, StrategySettings, TimeoutSettings
 from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
@@ -51,7 +51,14 @@ def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
     return builder
 
 
-def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0, timeouts: TimeoutSettings | None = None) -> Strategy:
+def make_strategy(
+    cfg: StrategySettings,
+    *,
+    num_clients: int,
+    seed: int = 0,
+    timeouts: TimeoutSettings | None = None,
+    privacy: PrivacySettings | None = None,
+) -> Strategy:
     """The strategy registered as ``strategy.name``.
 
     Sampling is Flower's ``FedAvg``: each round trains ``max(int(fraction_train × connected),
@@ -65,6 +72,9 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0, tim
     (docs/robustness.md); ``timeouts`` None: no start deadline, no skipping. A reply's
     ``partition-id`` must be below ``num_clients`` (``num_partitions``); the ServerApp also sets
     ``max_examples``, the most ``num-examples`` a train reply may claim.
+
+    ``privacy`` with ``clipping`` on: the average is Flower's DP wrapper around an equal-weight
+    FedAvg (:class:`fedtops_strategy.privacy.UpdatePrivacy`), sized for the round's sample.
     """
     if cfg.name not in STRATEGIES:
         allowed = ", ".join(repr(n) for n in STRATEGIES)
@@ -88,6 +98,11 @@ def make_strategy(cfg: StrategySettings, *, num_clients: int, seed: int = 0, tim
         strategy.clip_norm, strategy.max_weight = cfg.clip_norm, cfg.max_weight
         if timeouts is not None:
             strategy.start_timeout, strategy.skip_after = timeouts.start, timeouts.skip_after
+        if privacy is not None and privacy.clipping != "off":
+            from fedtops_strategy.privacy import UpdatePrivacy
+
+            sampled = max(int(cfg.fraction_train * num_clients), common["min_train_nodes"])
+            strategy.privacy = UpdatePrivacy(privacy, num_sampled=sampled, population=num_clients)
         return strategy
     finally:
         flwr_logger.setLevel(level)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
 
+import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -144,6 +145,10 @@ class FedTOPS(ReplyScreening, FedAvg):
         record = self.records[server_round]
         nodes = [c["node-id"] for c in record["clients"]]
         scores = self._valid_scores(server_round, list(replies), nodes)
+        if self.privacy is not None and scores:
+            # The scores as released (clipped, noised: docs/privacy.md); the selection is post-processing.
+            scores, released = self.privacy.release_scores(scores, np.random.default_rng())
+            record.setdefault("privacy", {}).update({**released, **self.privacy.ledger.summary()})
         record["score_seconds"] = time.perf_counter() - self._score_started
         record["candidates"] = list(self.candidates)
         record["scored-node-ids"] = [node for node, _, _ in scores]

@@ -57,16 +57,19 @@ def reply_problem(content, reference: ArrayRecord, num_partitions: int | None = 
     return train_metrics_problem(dict(next(iter(content.metric_records.values())).items()), num_partitions, max_examples)
 
 
-def aggregation_view(message: Message, arrays: ArrayRecord | None = None, weight: float | None = None) -> Message:
+def aggregation_view(
+    message: Message, arrays: ArrayRecord | None = None, weight: float | None = None, extra: dict[str, Any] | None = None
+) -> Message:
     """A screened train reply as Flower's aggregation sees it: its one ArrayRecord (or ``arrays``,
     bounded) in a record of its own (Flower's FedMedian pops from it) and only the weight (or
     ``weight``, capped). A client's other metrics (a newer client's extra key, a list) can then
-    never trip Flower's ``validate_message_reply_consistency``; they stay in the round record."""
+    never trip Flower's ``validate_message_reply_consistency``; they stay in the round record.
+    ``extra``: metrics the aggregation needs besides the weight (Flower's adaptive clipping: the norm bit)."""
     if arrays is None:
         arrays = next(iter(message.content.array_records.values()))
     if weight is None:
         weight = next(iter(message.content.metric_records.values()))[WEIGHT_KEY]
-    content = RecordDict({"arrays": ArrayRecord(dict(arrays.items())), "metrics": MetricRecord({WEIGHT_KEY: weight})})
+    content = RecordDict({"arrays": ArrayRecord(dict(arrays.items())), "metrics": MetricRecord({WEIGHT_KEY: weight, **(extra or {})})})
     return Message(content=content, metadata=copy.copy(message.metadata))
 
 
@@ -152,6 +155,7 @@ class ReplyScreening:
     clip_norm = 0.0  # 0 = off; c: updates scaled to at most c × the round's median norm
     max_weight = 0.0  # 0 = off; c: weights cut to at most c × the round's median
     aggregator = None  # a Flower strategy whose aggregate_train averages (None: this strategy's own FedAvg)
+    privacy = None  # fedtops_strategy.privacy.UpdatePrivacy: Flower's DP wrapper averages instead (privacy.*)
     start_timeout = float("inf")  # seconds a round waits for the nodes it needs
     skip_after = 0  # consecutive timed-out rounds after which a node sits out as many rounds (0: never)
 
@@ -182,6 +186,8 @@ class ReplyScreening:
             self.min_available_nodes = self.min_train_nodes
         config["learner"] = self.learner
         config["build-scoring-cache"] = self.builds_scoring_cache
+        if self.privacy is not None:
+            self.privacy.train_config(config)  # client side: the clipping norm for Flower's mod
         self.skipped_node_ids: list[int] = []
         sampled = self._sample(server_round, arrays, config, grid)
         messages = self.prepare_messages(sampled, arrays)
@@ -250,6 +256,10 @@ class ReplyScreening:
                 if msg.has_error()
                 else reply_problem(msg.content, self._theta, self.num_partitions, self.max_examples)
             )
+            if not problem and self.privacy is not None:
+                problem = self.privacy.reply_problem(
+                    next(iter(msg.content.metric_records.values())), self.theta_arrays(), from_record(next(iter(msg.content.array_records.values())))
+                )
             if problem:
                 log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)
                 excluded.append({"node-id": node, "reason": problem})
@@ -281,6 +291,10 @@ class ReplyScreening:
         :attr:`client_weights`. With both off, the replies' own arrays and weights."""
         weights = [float(c[WEIGHT_KEY]) for c in self.records[server_round]["clients"]]
         nodes = [c["node-id"] for c in self.records[server_round]["clients"]]
+        if self.privacy is not None:
+            # Equal weights: the noise is calibrated to the plain mean's sensitivity C/m; Ĵ uses the same.
+            self.client_weights = dict.fromkeys(nodes, 1.0)
+            return [aggregation_view(m, None, 1, self.privacy.view_metrics(next(iter(m.content.metric_records.values())))) for m in kept]
         capped = capped_weights(weights, self.max_weight)
         self.client_weights = dict(zip(nodes, capped))
         if not self.clip_norm and not self.max_weight:
@@ -329,17 +343,25 @@ class ReplyScreening:
 
     def average(self, server_round: int, views: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """θ_t + a (aggregate − θ_t) at the strategy's default a (FedAvg, FedTOPS: 1; fixed: its
-        own): Flower's FedAvg (FedAvgM) on the views, or :attr:`aggregator`'s ``aggregate_train``."""
-        if self.aggregator is None:
+        own): Flower's FedAvg (FedAvgM) on the views, :attr:`aggregator`'s ``aggregate_train``, or,
+        with :attr:`privacy`, Flower's DP wrapper around FedAvg (the noisy mean), then moved by a."""
+        if self.privacy is not None:
+            arrays, metrics, released = self.privacy.release(server_round, views, self._theta)
+            self.records[server_round]["privacy"] = {**released, **self.privacy.ledger.summary()}
+        elif self.aggregator is None:
             return super().aggregate_train(server_round, views)
-        if isinstance(self.aggregator, MultiKrum) and not isinstance(self.aggregator, Krum):  # Krum is MultiKrum selecting 1
-            self.aggregator.num_nodes_to_select = max(1, len(views) - self.aggregator.num_malicious_nodes)
-        arrays, metrics = self.aggregator.aggregate_train(server_round, views)
+        else:
+            arrays, metrics = self._robust_average(server_round, views)
         if arrays is None or self.default_multiplier == 1.0:
             return arrays, metrics
         theta = self.theta_arrays()
         moved = {k: (theta[k] + self.default_multiplier * (v - theta[k])).astype(v.dtype) for k, v in from_record(arrays).items()}
         return ArrayRecord({k: Array(v) for k, v in moved.items()}), metrics
+
+    def _robust_average(self, server_round: int, views: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if isinstance(self.aggregator, MultiKrum) and not isinstance(self.aggregator, Krum):  # Krum is MultiKrum selecting 1
+            self.aggregator.num_nodes_to_select = max(1, len(views) - self.aggregator.num_malicious_nodes)
+        return self.aggregator.aggregate_train(server_round, views)
 
     def record_aggregation_error(self, server_round: int, multiplier: float) -> None:
         """Write the round's ``aggregation-error`` (the factor average against the average of the

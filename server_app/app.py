@@ -155,7 +155,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     check_positions(cfg)
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout, privacy=cfg.privacy)
     if cfg.num_clients:
         # The schema's ranges (fedtops_strategy/schema.py): partition ids in [0, num-clients), and a
         # client holds at most the whole prompt pool (data.prompts-per-client per client).
@@ -168,6 +168,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         run, done = open_resumed_run(cfg, lora_config, resolved)
         if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
+        if getattr(strategy, "privacy", None) is not None:  # the privacy spent so far, and adaptive clipping's C
+            strategy.privacy.replay(r for r in complete_rounds(run.path) if r["round"] <= done)
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0

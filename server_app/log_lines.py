@@ -121,5 +121,14 @@ def round_summary(record: dict, num_rounds: int) -> str:
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
         f"feasible {feasible} | client {what} {kl}{aggregation_error_summary(record)}{evaluation_summary(record.get('evaluation'))}"
-        f"{communication_summary(record)} | {record.get('seconds', 0.0):.1f} s{flags}"
+        f"{communication_summary(record)}{privacy_summary(record)} | {record.get('seconds', 0.0):.1f} s{flags}"
     )
+
+
+def privacy_summary(record: dict) -> str:
+    """`` | ε = 4.21 (δ = 1e-05)`` after a private round (∞: a release without noise); else ''."""
+    privacy = record.get("privacy")
+    if not privacy or "delta" not in privacy:
+        return ""
+    eps = privacy.get("epsilon")
+    return f" | ε = {'∞' if eps is None else f'{eps:.3g}'} (δ = {privacy['delta']:g})"

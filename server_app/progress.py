@@ -194,6 +194,13 @@ def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, s
             f"  held-out greedy accuracy: {first['evaluation']['accuracy']:.1f}% (round {first['round']}) -> "
             f"{last['evaluation']['accuracy']:.1f}% (round {last['round']})"
         )
+    private = [r["privacy"] for r in trained if "delta" in (r.get("privacy") or {})]
+    if private:
+        eps = private[-1].get("epsilon")
+        lines.append(
+            f"  differential privacy: ε = {'∞' if eps is None else f'{eps:.3g}'} at δ = {private[-1]['delta']:g} "
+            f"after {private[-1]['releases']} Gaussian releases in {len(private)} rounds (docs/privacy.md)"
+        )
     traffic = run_traffic(records)
     if "total" in traffic:
         total = traffic["total"]

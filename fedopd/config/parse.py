@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedopd.core.errors import ConfigError
-from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig, StrategySettings
+from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, PrivacySettings, RunConfig, StrategySettings
 from fedopd.data.registry import DATASETS as PROMPT_SETS
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
@@ -169,6 +169,7 @@ def _check_cross(cfg: RunConfig) -> None:
             except ValueError as err:
                 raise ConfigError(f"run config '{key}' = {value!r} is invalid with 'rollout.backend' = {cfg.rollout.backend!r}: {err}") from None
     _check_robustness(cfg)
+    _check_privacy(cfg)
     if cfg.cache.rollouts > cfg.rollout.per_round:
         raise ConfigError(
             f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "
@@ -202,6 +203,50 @@ def _check_robustness(cfg: RunConfig) -> None:
         raise ConfigError(
             f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "
             f"'strategy.aggregator' one of 'krum', 'multikrum' (now {s.aggregator!r})"
+        )
+
+
+# The privacy keys besides privacy.clipping, as (run-config key, attribute).
+_PRIVACY_KEYS = tuple((k, p[1]) for k, (p, _) in _KEYS.items() if p[0] == "privacy" and k != "privacy.clipping")
+
+
+def _check_privacy(cfg: RunConfig) -> None:
+    """Differential privacy (docs/privacy.md) wraps the average of client updates: only where one
+    is formed, by Flower's FedAvg mean (the sensitivity C/m assumes it), without the robustness
+    settings that depend on the round's other updates; FedTOPS's K̂ clip must sit above δ."""
+    p, s, base = cfg.privacy, cfg.strategy, PrivacySettings()
+    if p.clipping == "off":
+        for key, attr in _PRIVACY_KEYS:
+            if getattr(p, attr) != getattr(base, attr):
+                raise ConfigError(
+                    f"run config '{key}' = {getattr(p, attr)!r} has no effect while 'privacy.clipping' = 'off' "
+                    f"(no differential privacy); allowed: its default {getattr(base, attr)!r}, or "
+                    f"'privacy.clipping' one of 'fixed', 'adaptive'"
+                )
+        return
+    what = f"'privacy.clipping' = {p.clipping!r}"
+    if s.name not in AVERAGING_STRATEGIES:
+        raise ConfigError(
+            f"run config {what} privatizes the average of client updates, which 'strategy.name' = {s.name!r} "
+            f"does not release; allowed: strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}, "
+            f"or 'privacy.clipping' = 'off'"
+        )
+    if s.aggregator != "fedavg":
+        raise ConfigError(
+            f"run config 'strategy.aggregator' = {s.aggregator!r} cannot be combined with {what}: the noise is "
+            f"calibrated to the mean of the clipped updates (sensitivity C/m); allowed: 'fedavg'"
+        )
+    for key, attr in (("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")):
+        if getattr(s, attr):
+            raise ConfigError(
+                f"run config '{key}' = {getattr(s, attr)!r} cannot be combined with {what}: it bounds each update "
+                f"by the round's median, which depends on the other clients' data (privacy clips at privacy.clip-norm "
+                f"and weighs every update equally); allowed: 0"
+            )
+    if s.name == "fedtops" and math.isfinite(s.trust_budget) and p.change_score_max <= s.trust_budget:
+        raise ConfigError(
+            f"run config 'privacy.change-score-max' = {p.change_score_max!r} must exceed 'strategy.trust-budget' = "
+            f"{s.trust_budget!r}: with K̂ clipped at or below δ every candidate would be feasible; allowed: a number > {s.trust_budget!r}"
         )
 
 

@@ -21,6 +21,8 @@ PACKING = ("auto", "packed", "padded")
 PARTITIONERS = ("groups", "iid", "dirichlet", "natural")
 AGGREGATORS = ("fedavg", "median", "trimmed-mean", "krum", "multikrum")  # fedtops_strategy/aggregators.py
 SCORE_AGGREGATES = ("mean", "median", "trimmed-mean")  # fedtops_strategy/selection.py
+PRIVACY_CLIPPING = ("off", "fixed", "adaptive")  # fedtops_strategy/privacy.py: Flower's DP wrappers
+PRIVACY_SIDES = ("server", "client")
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
 
 
@@ -116,6 +118,24 @@ class StrategySettings:
 
 
 @dataclass(frozen=True)
+class PrivacySettings:
+    """Central differential privacy of the released adapters and FedTOPS's score channel
+    (docs/privacy.md). ``clipping = 'off'``: none, and the other keys must keep their defaults."""
+
+    clipping: str = "off"  # off | fixed | adaptive: Flower's DifferentialPrivacy{Server,Client}Side{Fixed,Adaptive}Clipping
+    side: str = "server"  # where updates are clipped: the server, or each client (Flower's clipping mod on the ClientApp)
+    clip_norm: float = 0.1  # C: the L2 bound of one client's update in LoRA-factor space (adaptive: the initial C)
+    noise_multiplier: float = 1.0  # z: Gaussian noise of std z·C/m on the mean of the m clipped updates
+    target_quantile: float = 0.5  # adaptive: the share of updates meant to fall under C
+    clip_norm_lr: float = 0.2  # adaptive: the geometric step of C per round
+    clipped_count_stddev: float = 0.0  # adaptive: the noise on the count of unclipped updates; 0 = Flower's m/20
+    score_noise: float = 1.0  # FedTOPS: the noise multiplier of the score channel (Ĵ_i, K̂_i)
+    teacher_score_max: float = 1.0  # FedTOPS: Ĵ_i(a) is clipped to [0, this] (nats per cached position)
+    change_score_max: float = 0.1  # FedTOPS: K̂_i(a) is clipped to [0, this]; must exceed strategy.trust-budget
+    delta: float = 1e-5  # δ_DP at which ε is reported
+
+
+@dataclass(frozen=True)
 class CacheSettings:
     rollouts: int = 4
     positions: int = 16
@@ -173,6 +193,7 @@ class RunConfig:
     eval: EvalSettings = EvalSettings()
     timeout: TimeoutSettings = TimeoutSettings()
     logging: LoggingSettings = LoggingSettings()
+    privacy: PrivacySettings = PrivacySettings()
 
     def to_run_config(self) -> dict[str, Any]:
         """The flat run-config dict (run-config key names) that this object was parsed from."""
@@ -343,6 +364,17 @@ _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
 _key("timeout.start", "timeout.start", _float(0.0, strict=True))
 _key("timeout.skip-after", "timeout.skip_after", _int(0))
 _key("logging.tensorboard", "logging.tensorboard", _bool())
+_key("privacy.clipping", "privacy.clipping", _choice(PRIVACY_CLIPPING))
+_key("privacy.side", "privacy.side", _choice(PRIVACY_SIDES))
+_key("privacy.clip-norm", "privacy.clip_norm", _float(0.0, strict=True))
+_key("privacy.noise-multiplier", "privacy.noise_multiplier", _float(0.0, strict=False))
+_key("privacy.target-quantile", "privacy.target_quantile", _float(0.0, strict=False, hi=1.0))
+_key("privacy.clip-norm-lr", "privacy.clip_norm_lr", _float(0.0, strict=True))
+_key("privacy.clipped-count-stddev", "privacy.clipped_count_stddev", _float(0.0, strict=False))
+_key("privacy.score-noise", "privacy.score_noise", _float(0.0, strict=False))
+_key("privacy.teacher-score-max", "privacy.teacher_score_max", _float(0.0, strict=True))
+_key("privacy.change-score-max", "privacy.change_score_max", _float(0.0, strict=True))
+_key("privacy.delta", "privacy.delta", (float, lambda v: 0.0 < v < 1.0, "a number > 0 and < 1"))
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
