@@ -49,7 +49,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import PrivacySettings
-from fedopd.models.lora import Named
+from fedopd.models.lora import Named, from_record
 from fedtops_strategy.bounds import update_norm
 
 # The train config key that tells the ClientApp's clipping mod which of Flower's mods to run
@@ -282,9 +282,12 @@ class UpdatePrivacy:
         if hasattr(w, "current_arrays"):
             w.current_arrays = theta
         used = self.clip_norm_used if self.client_side else self.clipping_norm
+        theta_named = from_record(theta)
+        # What the server saw (server side: before clipping; client side: as clipped): to tune C.
+        norms = [update_norm(theta_named, from_record(next(iter(v.content.array_records.values())))) for v in views]
         with fresh_numpy_entropy():
             arrays, metrics = w.aggregate_train(server_round, views)
-        record: dict[str, Any] = {"clip-norm": used}
+        record: dict[str, Any] = {"clip-norm": used, "update-norm-median": float(np.median(norms))}
         if arrays is None:
             return None, None, record
         z = self.settings.noise_multiplier  # adaptive: z covers the update and the count together (Andrew et al.)
