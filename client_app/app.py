@@ -87,10 +87,10 @@ CLIPPING_MODS = {"fixed": fixedclipping_mod, "adaptive": adaptiveclipping_mod}
 def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
     """Flower's ``fixedclipping_mod`` or ``adaptiveclipping_mod`` when the train config asks for
     client-side clipping (``clipping_norm`` and ``privacy-clipping``), else nothing."""
-    config = msg.content.config_records.get("config")
-    if config is None or KEY_CLIPPING_NORM not in config:
+    asking = [c for c in msg.content.config_records.values() if KEY_CLIPPING_NORM in c]
+    if not asking:
         return call_next(msg, context)
-    mode = config.get("privacy-clipping")
+    mode = asking[0].get("privacy-clipping")
     if mode not in CLIPPING_MODS:
         reason = f"train config 'privacy-clipping' = {mode!r}: expected one of {', '.join(map(repr, CLIPPING_MODS))}"
         return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)

@@ -58,10 +58,19 @@ KEY_CLIPPING_MODE = "privacy-clipping"
 FP32_EPS = float(np.finfo(np.float32).eps)
 
 
-class _NoiseAtClippingNorm:
-    """Flower 1.41's adaptive wrappers move C (the geometric update) *before* adding the noise,
-    so the noise is scaled to the next round's C, not to the C the updates were clipped to: when C
-    shrinks, the mean gets less noise than z·C/m. Here the step is deferred until after the noise."""
+class _AdaptiveClipping:
+    """Andrew et al.'s adaptive clipping ("Differentially Private Learning with Adaptive
+    Clipping", 2021) on Flower 1.41's wrappers, with two of their steps corrected:
+
+    * the direction: the paper moves C by exp(−η (b̄ − γ)) with b̄ the noisy share of updates
+      *under* C and γ the target share under it. Flower's norm bit is 1 for a *clipped* update, and
+      its wrappers put that share in the same formula, so C shrinks when most updates are clipped
+      and grows when none is: away from the target, towards 0 or without bound;
+    * the order: Flower moves C *before* it adds the noise, so the noise is scaled to the next
+      round's C, not the C the updates were clipped to (when C shrinks, less noise than z·C/m).
+
+    Here the wrapper's step is deferred until after the noise and applied with b̄ = 1 − the noisy
+    clipped share."""
 
     def _geometric_update(self, clipped_fraction: float) -> None:
         self._pending_fraction = clipped_fraction
@@ -70,15 +79,16 @@ class _NoiseAtClippingNorm:
         self._pending_fraction = None
         arrays, metrics = super().aggregate_train(server_round, replies)
         if self._pending_fraction is not None:
-            super()._geometric_update(self._pending_fraction)
+            unclipped = 1.0 - self._pending_fraction
+            self.clipping_norm *= math.exp(-self.clip_norm_lr * (unclipped - self.target_clipped_quantile))
         return arrays, metrics
 
 
-class ServerSideAdaptiveClipping(_NoiseAtClippingNorm, DifferentialPrivacyServerSideAdaptiveClipping):
+class ServerSideAdaptiveClipping(_AdaptiveClipping, DifferentialPrivacyServerSideAdaptiveClipping):
     pass
 
 
-class ClientSideAdaptiveClipping(_NoiseAtClippingNorm, DifferentialPrivacyClientSideAdaptiveClipping):
+class ClientSideAdaptiveClipping(_AdaptiveClipping, DifferentialPrivacyClientSideAdaptiveClipping):
     pass
 
 
