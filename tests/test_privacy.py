@@ -432,7 +432,7 @@ RUN = {
     "eval.every": 0,
     "strategy.name": "fedtops",
     "privacy.clipping": "fixed",
-    "privacy.clip-norm": 0.5,
+    "privacy.clip-norm": 0.05,  # the tiny clients' updates have norms 0.1-0.35: every one is clipped
     "privacy.noise-multiplier": 2.0,
     "privacy.score-noise": 4.0,
 }
@@ -466,6 +466,8 @@ def test_a_private_fedtops_run_reports_epsilon_every_round(side, tmp_path, caplo
         assert r["privacy"]["releases"] == 2 * t and r["privacy"]["delta"] == 1e-5
         assert r["candidates"] and "num-feasible" in r  # FedTOPS scored and selected
         assert not r["excluded"]  # client side: every update came back within C
+        seen = r["privacy"]["update-norm-median"]  # server side: before clipping; client side: as the mod clipped it
+        assert seen > 0.05 if side == "server" else seen <= 0.05 * (1 + 1e-5)
     stream = caplog.text
     assert "round 2/2 [fedtops]" in stream and f"ε = {_expected_epsilon(2):.3g} (δ = 1e-05)" in stream
     assert f"differential privacy: ε = {_expected_epsilon(2):.3g} at δ = 1e-05 after 4 Gaussian releases in 2 rounds" in stream
