@@ -142,6 +142,13 @@ def privatize_scores(
     return j.tolist(), k.tolist()
 
 
+def _combined(*multipliers: float) -> float:
+    """The one Gaussian multiplier that several on the same data compose to: (Σ z_i^-2)^-1/2 (0 if any is 0)."""
+    if any(z <= 0 for z in multipliers):
+        return 0.0
+    return sum(z**-2 for z in multipliers) ** -0.5
+
+
 class PrivacyLedger:
     """The run's privacy spent: Flower's RDP accountant, one Gaussian event per release.
 
@@ -240,6 +247,21 @@ class UpdatePrivacy:
             ) from None
         self.ledger = PrivacyLedger(settings.delta, population)
         self.clip_norm_used = self.clipping_norm  # the C of the round last configured
+
+    def describe(self, scores: bool) -> str:
+        """One line for the run's stream: the mechanism(s), their parameters and what they cost per round."""
+        s = self.settings
+        z_eff = _combined(s.noise_multiplier, s.score_noise) if scores else s.noise_multiplier
+        parts = [
+            f"differential privacy: {s.clipping} clipping on the {s.side} side, C = {s.clip_norm:g}, noise multiplier z = {s.noise_multiplier:g}"
+        ]
+        if scores:
+            parts.append(
+                f"FedTOPS scores clipped to [0, {s.teacher_score_max:g}] / [0, {s.change_score_max:g}] with noise multiplier {s.score_noise:g}"
+            )
+        per_round = "∞ (a release without noise)" if z_eff == 0 else f"one Gaussian of multiplier {z_eff:.4g} per round"
+        parts.append(f"accounted at δ = {s.delta:g} as {per_round} (docs/privacy.md)")
+        return "; ".join(parts)
 
     @property
     def clipping_norm(self) -> float:

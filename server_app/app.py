@@ -293,6 +293,10 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
     # phase between train and evaluate.
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
+    if getattr(strategy, "privacy", None) is not None:
+        scores = hasattr(strategy, "configure_score")
+        unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
+        log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
         after_round(0, global_arrays)

@@ -469,6 +469,8 @@ def test_a_private_fedtops_run_reports_epsilon_every_round(side, tmp_path, caplo
         seen = r["privacy"]["update-norm-median"]  # server side: before clipping; client side: as the mod clipped it
         assert seen > 0.05 if side == "server" else seen <= 0.05 * (1 + 1e-5)
     stream = caplog.text
+    # z = 2 and σ_s = 4 compose to one Gaussian of (1/4 + 1/16)^-1/2 = 1.789 per round
+    assert "accounted at δ = 1e-05 as one Gaussian of multiplier 1.789 per round" in stream
     assert "round 2/2 [fedtops]" in stream and f"ε = {_expected_epsilon(2):.3g} (δ = 1e-05)" in stream
     assert f"differential privacy: ε = {_expected_epsilon(2):.3g} at δ = 1e-05 after 4 Gaussian releases in 2 rounds" in stream
 
