@@ -177,7 +177,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color, label="FedTOPS" if m == "fedtops" else "FedAvg")
         for x, y, lv in zip(xs, ys, lvs):
             if lv not in spots:
-                ax.annotate(level_label(lv), (x, y), textcoords="offset points", xytext=(4, 6 if m == "fedavg" else -12), fontsize=7, color=color)
+                ax.annotate(level_label(lv), (x, y), textcoords="offset points", xytext=(-30 if m == "fedavg" else 5, 6), fontsize=7, color=color)
     ax.set_xscale("log")
     ticks = [t for t in ax.get_xticks() if t < right]
     ax.set_xticks([*ticks, right, right * 10], [*(f"$10^{{{int(np.log10(t))}}}$" for t in ticks), "z = 0\n(ε = ∞)", "no DP"])
