@@ -124,7 +124,7 @@ class PrivacySettings:
 
     clipping: str = "off"  # off | fixed | adaptive: Flower's DifferentialPrivacy{Server,Client}Side{Fixed,Adaptive}Clipping
     side: str = "server"  # where updates are clipped: the server, or each client (Flower's clipping mod on the ClientApp)
-    clip_norm: float = 0.1  # C: the L2 bound of one client's update in LoRA-factor space (adaptive: the initial C)
+    clip_norm: float = 1.0  # C: the L2 bound of one client's update in LoRA-factor space (adaptive: the initial C)
     noise_multiplier: float = 1.0  # z: Gaussian noise of std z·C/m on the mean of the m clipped updates
     target_quantile: float = 0.5  # adaptive: the share of updates meant to fall under C
     clip_norm_lr: float = 0.2  # adaptive: the geometric step of C per round
