@@ -362,6 +362,16 @@ def test_two_releases_compose_as_one_gaussian_of_the_combined_multiplier():
     assert two.releases == 2 and one.releases == 1
 
 
+def test_a_round_with_more_clients_than_the_run_was_sized_for_keeps_every_earlier_release():
+    # num-clients = 0 sizes the population at the nodes connected at the start; more may join.
+    grown = PrivacyLedger(1e-5, 2)
+    grown.compose(1.0, 2)
+    grown.compose(1.0, 5)
+    same = PrivacyLedger(1e-5, 5)
+    same.compose(2**-0.5, 5)  # two releases of multiplier 1 = one of 1/sqrt(2)
+    assert grown.population == 5 and grown.epsilon == pytest.approx(same.epsilon, rel=1e-9)
+
+
 def test_a_release_without_noise_makes_epsilon_infinite_and_none_spends_nothing():
     ledger = PrivacyLedger(1e-5, 3)
     assert ledger.epsilon == 0.0
@@ -498,3 +508,33 @@ def test_a_resumed_private_run_keeps_counting_and_adaptive_clipping_goes_on_from
     accountant.compose(dp_accounting.GaussianDpEvent(0.2), 2)
     assert second["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
     assert second["privacy"]["releases"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox study's cells (python -m eval.privacy)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_study_gives_fedtops_score_noise_equal_to_z_and_leaves_no_dp_cells_untouched(tmp_path):
+    from eval.privacy import cell_config
+
+    fedtops = parse_run_config(cell_config("fedtops", "0.1", 0, 1.0, 3e-3, 10, tmp_path, {}))
+    fedavg = parse_run_config(cell_config("fedavg", "0.1", 0, 1.0, 3e-3, 10, tmp_path, {}))
+    plain = parse_run_config(cell_config("fedtops", "none", 0, 1.0, 3e-3, 10, tmp_path, {}))
+    assert (fedtops.privacy.clipping, fedtops.privacy.clip_norm, fedtops.privacy.noise_multiplier, fedtops.privacy.score_noise) == (
+        "fixed",
+        1.0,
+        0.1,
+        0.1,
+    )
+    assert (fedavg.privacy.noise_multiplier, fedavg.strategy.name) == (0.1, "fedavg")
+    assert plain.privacy == PrivacySettings()  # off, every key at its default
+    assert fedtops.train.lr == 3e-3 and fedtops.num_server_rounds == 10 and fedtops.eval.every == 0
+
+
+def test_the_study_refuses_a_noise_level_that_is_not_a_number(capsys):
+    from eval.privacy import main
+
+    with pytest.raises(SystemExit):
+        main(["--noise", "none,-1", "--out", "/nonexistent"])
+    assert "--noise: '-1' is not a number >= 0 or 'none'" in capsys.readouterr().err
