@@ -324,6 +324,8 @@ class ReplyScreening:
             record["hold-reason"] = "the averaged adapter is not finite"
             arrays, metrics = None, None
         record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
+        if self.privacy is not None:  # ε after every round, a round that released nothing included
+            record.setdefault("privacy", {}).update(self.privacy.ledger.summary())
         self._aggregation = None
         if arrays is None:
             record.setdefault("hold-reason", "no valid client update")

@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
 from scipy.stats import norm
-from test_strategies import UPDATES, WEIGHTS, FakeGrid, _run
+from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _record, _run
 
 from fedopd.config import ConfigError, StrategySettings, parse_run_config
 from fedopd.core.settings import PrivacySettings
@@ -167,6 +167,17 @@ def test_the_noise_ignores_any_seed_set_before_and_leaves_numpy_s_stream_as_it_w
     arrays, _, _ = privacy.release(1, _views(_tiny_updates(n, 2), theta), ArrayRecord({"w": Array(theta)}))
     assert not np.allclose(arrays["w"].numpy(), seeded, atol=1e-3)
     np.testing.assert_array_equal(np.random.normal(0.0, 1.0, n).astype(np.float32), seeded)
+
+
+def test_a_round_that_released_nothing_still_records_the_privacy_spent_so_far():
+    # Round 1 releases the mean (z = 1); in round 2 no client answers: ε stays that of one release.
+    strategy = _strategy(noise_multiplier=1.0)
+    _run(strategy, FakeGrid(UPDATES, WEIGHTS))
+    first = strategy.records[1]["privacy"]["epsilon"]
+    lost = FakeGrid(UPDATES, WEIGHTS, lost={1: ("train", "silent"), 2: ("train", "silent")})
+    arrays = _record(THETA)
+    strategy.aggregate_train(2, lost.send_and_receive(strategy.configure_train(2, arrays, ConfigRecord(), lost), timeout=1.0))
+    assert strategy.records[2]["privacy"] == {"epsilon": first, "delta": 1e-5, "releases": 1}
 
 
 def test_an_error_reply_does_not_stop_the_private_round():
