@@ -324,8 +324,6 @@ class ReplyScreening:
             record["hold-reason"] = "the averaged adapter is not finite"
             arrays, metrics = None, None
         record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
-        if self.privacy is not None:  # ε after every round, a round that released nothing included
-            record.setdefault("privacy", {}).update(self.privacy.ledger.summary())
         self._aggregation = None
         if arrays is None:
             record.setdefault("hold-reason", "no valid client update")
@@ -349,6 +347,7 @@ class ReplyScreening:
         with :attr:`privacy`, Flower's DP wrapper around FedAvg (the noisy mean), then moved by a."""
         if self.privacy is not None:
             arrays, metrics, released = self.privacy.release(server_round, views, self._theta)
+            # ε so far, in every round's record: one that released nothing (no views) included
             self.records[server_round]["privacy"] = {**released, **self.privacy.ledger.summary()}
         elif self.aggregator is None:
             return super().aggregate_train(server_round, views)
