@@ -66,6 +66,8 @@ def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     for key in ("aggregation-error", "aggregation-error-applied"):
         if record.get(key) is not None:
             out[f"server/{key.replace('-', '_')}"] = 100.0 * float(record[key])
+    if (record.get("privacy") or {}).get("epsilon") is not None:  # None: ∞, nothing to plot
+        out["privacy/epsilon"] = float(record["privacy"]["epsilon"])
     if "seconds" in record:
         out["server/round_seconds"] = float(record["seconds"])
     communication = record.get("communication")

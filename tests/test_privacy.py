@@ -549,3 +549,10 @@ def test_the_study_refuses_a_noise_level_that_is_not_a_number(capsys):
     with pytest.raises(SystemExit):
         main(["--noise", "none,-1", "--out", "/nonexistent"])
     assert "--noise: '-1' is not a number >= 0 or 'none'" in capsys.readouterr().err
+
+
+def test_epsilon_is_a_tensorboard_scalar_when_finite():
+    from server_app.progress import round_scalars
+
+    assert round_scalars({"round": 3, "privacy": {"epsilon": 4.25, "delta": 1e-5, "releases": 6}})["privacy/epsilon"] == 4.25
+    assert "privacy/epsilon" not in round_scalars({"round": 3, "privacy": {"epsilon": None, "delta": 1e-5, "releases": 6}})
