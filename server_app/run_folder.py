@@ -60,6 +60,10 @@ def read_run_config(folder: str | Path) -> dict[str, Any]:
     """The run-config keys of a run folder's ``config.json`` (without its ``resolved`` facts)."""
     config = json.loads((Path(folder) / "config.json").read_text())
     config.pop(RESOLVED, None)
+    if config.get("privacy.clipping", "off") == "off":
+        # Without privacy the other privacy keys had no effect: they are not part of what the run
+        # was, and a later change of their defaults must not make the folder unreadable.
+        config = {k: v for k, v in config.items() if not k.startswith("privacy.") or k == "privacy.clipping"}
     return config
 
 

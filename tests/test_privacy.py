@@ -556,3 +556,15 @@ def test_epsilon_is_a_tensorboard_scalar_when_finite():
 
     assert round_scalars({"round": 3, "privacy": {"epsilon": 4.25, "delta": 1e-5, "releases": 6}})["privacy/epsilon"] == 4.25
     assert "privacy/epsilon" not in round_scalars({"round": 3, "privacy": {"epsilon": None, "delta": 1e-5, "releases": 6}})
+
+
+def test_a_run_folder_without_privacy_stays_readable_when_privacy_defaults_change(tmp_path):
+    # A run made when privacy.clip-norm defaulted to 0.1 recorded it; with privacy off it had no
+    # effect, and reading the folder (resume, the grid's reuse) must not refuse it as "set while off".
+    from server_app.run_folder import read_run_config
+
+    recorded = {**parse_run_config({}).to_run_config(), "privacy.clip-norm": 0.1}
+    (tmp_path / "config.json").write_text(json.dumps(recorded))
+    config = read_run_config(tmp_path)
+    assert "privacy.clip-norm" not in config and config["privacy.clipping"] == "off"
+    assert parse_run_config(config).privacy == PrivacySettings()

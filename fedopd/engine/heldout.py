@@ -32,17 +32,22 @@ def heldout_correctness(
     if not prompts:
         raise ValueError("held-out evaluation: the client has no held-out prompts")
     k = settings.samples
-    models.rollout.set_adapter(theta)
+    greedy_ok, greedy = greedy_correctness(models, theta, prompts, settings.max_new_tokens)
     ids = [p.token_ids for p in prompts]
-    greedy = models.rollout.generate(ids, SamplingParams(settings.max_new_tokens, temperature=0.0))
     sampled = models.rollout.generate(
         [p for p in ids for _ in range(k)], SamplingParams(settings.max_new_tokens, settings.temperature, settings.top_p, seed)
     )
-    decode = models.student.tokenizer.batch_decode
-    greedy_ok = [is_correct(t, p.answer) for t, p in zip(decode(greedy.response_ids, skip_special_tokens=True), prompts)]
-    texts = decode(sampled.response_ids, skip_special_tokens=True)
+    texts = models.student.tokenizer.batch_decode(sampled.response_ids, skip_special_tokens=True)
     correct = np.asarray([is_correct(t, prompts[i // k].answer) for i, t in enumerate(texts)], dtype=np.float64)
-    return np.asarray(greedy_ok, dtype=np.float64), correct.reshape(len(prompts), k), greedy
+    return greedy_ok, correct.reshape(len(prompts), k), greedy
+
+
+def greedy_correctness(models, theta: Mapping[str, np.ndarray], prompts: Sequence[Prompt], max_new_tokens: int) -> tuple[np.ndarray, Rollouts]:
+    """Per-problem greedy grades (n,) of the adapter ``theta`` and its greedy rollouts."""
+    models.rollout.set_adapter(theta)
+    greedy = models.rollout.generate([p.token_ids for p in prompts], SamplingParams(max_new_tokens, temperature=0.0))
+    texts = models.student.tokenizer.batch_decode(greedy.response_ids, skip_special_tokens=True)
+    return np.asarray([is_correct(t, p.answer) for t, p in zip(texts, prompts)], dtype=np.float64), greedy
 
 
 def heldout_scores(greedy_ok: np.ndarray, correct: np.ndarray) -> dict[str, float]:
