@@ -172,17 +172,20 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
     candidates = [float(a) for a in content["config"]["candidates"]]
     started = time.perf_counter()
-    teacher_scores, change_scores = score_round(models, theta, delta, cache, candidates)
+    with_se = bool(content["config"].get("score-se", False))  # fedtops-se asks for Ĵ_i(a)'s standard errors
+    scores = score_round(models, theta, delta, cache, candidates, with_se=with_se)
 
     metrics = MetricRecord(
         {
-            "teacher-scores": teacher_scores,
-            "change-scores": change_scores,
+            "teacher-scores": scores[0],
+            "change-scores": scores[1],
             "num-examples": len(prompts),
             "partition-id": pid,
             "score_s": time.perf_counter() - started,
         }
     )
+    if with_se:
+        metrics["teacher-score-se"] = scores[2]
     return RecordDict({"scores": metrics})
 
 

@@ -59,6 +59,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # The variants of the lr 3e-3 study (docs/sandbox.md, "Why FedTOPS trails FedAvg at the large
     # learning rate"); not in the default grid.
     "fedtops-cache-xl": {"strategy.name": "fedtops", "cache.rollouts": 8, "cache.positions": 64},
+    "fedtops-se": {"strategy.name": "fedtops-se"},
 }
 DEFAULT_METHODS = ("local", "centralized", "fedavg", "fixed3", "fixed10", "fedtops")
 TITLES = {
@@ -69,6 +70,7 @@ TITLES = {
     "fixed10": "a = 10",
     "fedtops": "FedTOPS",
     "fedtops-cache-xl": "FedTOPS, cache 8 × 64",
+    "fedtops-se": "FedTOPS, SE walk",
 }
 # Chosen once, before any method was compared: the sandbox preset's rate (3e-3, the largest at
 # which FedAvg's first rounds stayed stable when the preset was tuned) and a tenth of it.
@@ -297,7 +299,7 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
         "accuracy": final["accuracy"],
         f"avg@{k}": final[f"avg@{k}"],
         f"pass@{k}": final[f"pass@{k}"],
-        "mean_multiplier": float(np.mean(multipliers)) if read_run_config(run).get("strategy.name") == "fedtops" else None,
+        "mean_multiplier": float(np.mean(multipliers)) if str(read_run_config(run).get("strategy.name")).startswith("fedtops") else None,
         "aggregation_error": _mean_of([r.get("aggregation-error") for r in trained]),
         "aggregation_error_applied": _mean_of([r.get("aggregation-error-applied") for r in trained]),
         "run": str(run),

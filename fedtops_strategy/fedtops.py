@@ -76,6 +76,7 @@ class FedTOPS(ReplyScreening, FedAvg):
 
     strategy_name = "fedtops"
     builds_scoring_cache = True
+    score_config: dict = {}  # what a variant's score query asks for besides the candidates (fedtops_se.py)
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class FedTOPS(ReplyScreening, FedAvg):
         content = RecordDict(
             {
                 "increment": increment,
-                "config": ConfigRecord({"candidates": list(self.candidates), "server-round": server_round}),
+                "config": ConfigRecord({"candidates": list(self.candidates), "server-round": server_round, **self.score_config}),
             }
         )
         nodes = [c["node-id"] for c in self.records[server_round]["clients"]]
@@ -144,7 +145,8 @@ class FedTOPS(ReplyScreening, FedAvg):
         """Select a_t from the valid score replies; return θ_{t+1} = θ_t + a_t Δ_t and (a_t, Ĵ)."""
         record = self.records[server_round]
         nodes = [c["node-id"] for c in record["clients"]]
-        scores = self._valid_scores(server_round, list(replies), nodes)
+        replies = list(replies)
+        scores = self._valid_scores(server_round, replies, nodes)
         if self.privacy is not None and scores:
             # The scores as released (clipped, noised: docs/privacy.md); the selection is post-processing.
             scores, released = self.privacy.release_scores(scores, np.random.default_rng())
@@ -199,9 +201,9 @@ class FedTOPS(ReplyScreening, FedAvg):
         record["num-feasible"] = selection.num_feasible
         record["selected-multiplier"] = selection.selected
         record["multiplier-cap"] = selection.cap
-        record["multiplier"] = selection.multiplier
+        record["multiplier"] = self.refine(server_round, selection, replies)
 
-        multiplier = selection.multiplier
+        multiplier = record["multiplier"]
         new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), multiplier)
         if not all_finite(new):
             log(WARNING, "round %d holds: θ_t + %g Δ_t is not finite (θ_t kept)", server_round, multiplier)
@@ -211,6 +213,10 @@ class FedTOPS(ReplyScreening, FedAvg):
         self.record_aggregation_error(server_round, multiplier)
         metrics = MetricRecord({"multiplier": multiplier, "num-feasible": selection.num_feasible})
         return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
+
+    def refine(self, server_round: int, selection, replies: list[Message]) -> float:
+        """The round's a from the rule's ``selection`` (a variant may change it); the paper: as selected."""
+        return selection.multiplier
 
     def _valid_scores(self, server_round: int, replies: list[Message], nodes: list[int]) -> list[tuple[int, list[float], list[float]]]:
         """(node, Ĵ_i, K̂_i) of every valid score reply from a node that was asked, in the order of

@@ -14,6 +14,7 @@ The first half of this module is pure tensor math; :func:`build_scoring_cache` a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -203,19 +204,25 @@ def coarse_student(student, cache: ScoringCache) -> torch.Tensor:
         return coarsen_logits(logits, torch.from_numpy(cache.token_ids).to(logits.device))
 
 
-def candidate_scores(cache: ScoringCache, candidate: torch.Tensor) -> tuple[float, float]:
+def candidate_scores(cache: ScoringCache, candidate: torch.Tensor, *, with_se: bool = False) -> tuple[float, ...]:
     """(Ĵ_i, K̂_i) of one candidate's coarsened distributions π̃_{t,a} against the cache:
 
     Ĵ_i(a) = mean over cached positions of KL(q̃ ‖ π̃_{t,a})  (teacher agreement),
     K̂_i(a) = mean over cached positions of KL(π̃_t ‖ π̃_{t,a}) (predictive change).
-    Both are >= 0 (clamped at 0 against rounding).
+    Both are >= 0 (clamped at 0 against rounding). ``with_se``: also the standard error of Ĵ_i(a),
+    the sample standard deviation of the per-position KLs over √(positions) (inf for one position).
     """
     candidate = candidate.double()
     q = torch.from_numpy(cache.teacher).to(candidate.device, torch.float64)
     p = torch.from_numpy(cache.student).to(candidate.device, torch.float64)
-    teacher_score = kl(q, candidate).mean().clamp_min(0.0)
+    per_position = kl(q, candidate)
+    teacher_score = per_position.mean().clamp_min(0.0)
     change_score = kl(p, candidate).mean().clamp_min(0.0)
-    return float(teacher_score), float(change_score)
+    if not with_se:
+        return float(teacher_score), float(change_score)
+    n = per_position.numel()
+    se = float(per_position.std(unbiased=True)) / math.sqrt(n) if n > 1 else math.inf
+    return float(teacher_score), float(change_score), se
 
 
 def score_candidates(
@@ -227,8 +234,10 @@ def score_candidates(
     *,
     batched: bool = True,
     candidates_per_pass: int | None = None,
-) -> tuple[list[float], list[float]]:
-    """Ĵ_i(a) and K̂_i(a) for each multiplier a, the student's LoRA at θ_t + aΔ.
+    with_se: bool = False,
+) -> tuple[list[float], ...]:
+    """Ĵ_i(a) and K̂_i(a) for each multiplier a, the student's LoRA at θ_t + aΔ (``with_se``: and
+    the standard error of each Ĵ_i(a), :func:`candidate_scores`).
 
     ``batched`` (default): the candidates are scored together, their cached sequences stacked on
     the batch dimension with each candidate's factors (:func:`stacked_factors`),
@@ -239,28 +248,24 @@ def score_candidates(
     The batched path leaves the adapter untouched.
     """
     if not batched:
-        teacher_scores, change_scores = [], []
+        rows = []
         for a in multipliers:
             student.set_lora_arrays(apply_increment(theta, increment, a))
-            j, k = candidate_scores(cache, coarse_student(student, cache))
-            teacher_scores.append(j)
-            change_scores.append(k)
-        return teacher_scores, change_scores
+            rows.append(candidate_scores(cache, coarse_student(student, cache), with_se=with_se))
+        return tuple(list(column) for column in zip(*rows))
 
     per_pass = max(1, candidates_per_pass or len(multipliers))
     token_ids = torch.from_numpy(cache.token_ids)
     n = cache.num_positions
-    teacher_scores, change_scores = [], []
+    rows = []
     for start in range(0, len(multipliers), per_pass):
         group = [apply_increment(theta, increment, a) for a in multipliers[start : start + per_pass]]
         with torch.no_grad():
             logits = _logits_at(student, cache.input_ids, cache.attention_mask, cache.positions, stacked=group)
             coarse = coarsen_logits(logits, token_ids.to(logits.device).repeat(len(group), 1))
         for c in range(len(group)):
-            j, k = candidate_scores(cache, coarse[c * n : (c + 1) * n])
-            teacher_scores.append(j)
-            change_scores.append(k)
-    return teacher_scores, change_scores
+            rows.append(candidate_scores(cache, coarse[c * n : (c + 1) * n], with_se=with_se))
+    return tuple(list(column) for column in zip(*rows))
 
 
 def _logits_at(model, input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, stacked: Sequence[Mapping[str, np.ndarray]] | None = None):

@@ -210,6 +210,9 @@ def score_round(
     increment: Mapping[str, np.ndarray],
     scoring_cache: ScoringCache,
     multipliers: Sequence[float],
-) -> tuple[list[float], list[float]]:
-    """Ĵ_i(a) and K̂_i(a) for each multiplier (only scalars leave this function)."""
-    return score_candidates(models.student, scoring_cache, theta, increment, multipliers)
+    *,
+    with_se: bool = False,
+) -> tuple[list[float], ...]:
+    """Ĵ_i(a) and K̂_i(a) for each multiplier (``with_se``: and Ĵ_i(a)'s standard error; only
+    scalars leave this function)."""
+    return score_candidates(models.student, scoring_cache, theta, increment, multipliers, with_se=with_se)

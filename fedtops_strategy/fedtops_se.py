@@ -1,0 +1,79 @@
+"""``fedtops-se``: FedTOPS that keeps the smaller multiplier unless a larger one is clearly better.
+
+A variant of the lr 3e-3 study (docs/sandbox.md, "Why FedTOPS trails FedAvg at the large learning
+rate"), off by default. The score query also asks each client for the standard error of its
+Ĵ_i(a) over its cached positions (``teacher-score-se``). After the paper's rule selects a_sel, the
+feasible candidates up to a_sel are walked from the smallest up: the walk moves to a larger
+candidate a' only when Ĵ(a') is below the current one's by more than SE(a'), the standard error of
+Ĵ(a') across clients, √(Σ w_i² se_i(a')²) / Σ w_i with the Ĵ weights. A hold, a fallback and the
+cap stay as the paper's rule left them. A client whose reply has no valid standard errors counts
+as infinitely uncertain: the walk stays at the smallest feasible candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from flwr.app import Message
+
+from fedtops_strategy.fedtops import FedTOPS
+from fedtops_strategy.screening import reply_nodes
+from fedtops_strategy.selection import feasible_indices
+
+SE_KEY = "teacher-score-se"
+
+
+def combined_se(errors: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """The standard error of the weighted mean Ĵ per candidate: √(Σ w_i² se_i²) / Σ w_i."""
+    total = sum(weights)
+    return [math.sqrt(sum((w * row[j]) ** 2 for w, row in zip(weights, errors))) / total for j in range(len(errors[0]))]
+
+
+def smallest_clear_step(candidates: Sequence[float], teacher: Sequence[float], se: Sequence[float], feasible: Sequence[int], ceiling: float) -> float:
+    """The walk over the feasible candidates a <= ``ceiling`` in increasing a: move from the current
+    a to a' only if Ĵ(a') < Ĵ(a) − SE(a'). Returns the last a reached."""
+    order = sorted((j for j in feasible if candidates[j] <= ceiling), key=lambda j: candidates[j])
+    if not order:
+        return ceiling
+    current = order[0]
+    for j in order[1:]:
+        if teacher[j] < teacher[current] - se[j]:
+            current = j
+    return candidates[current]
+
+
+def parse_errors(msg: Message, num_candidates: int) -> list[float] | None:
+    """A score reply's standard errors: k numbers >= 0 (inf allowed), or None."""
+    if msg.has_error() or len(msg.content.metric_records) != 1:
+        return None
+    values = next(iter(msg.content.metric_records.values())).get(SE_KEY)
+    if not isinstance(values, list) or len(values) != num_candidates:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0) for v in values):
+        return None  # NaN fails v >= 0
+    return [float(v) for v in values]
+
+
+class FedTOPSStandardError(FedTOPS):
+    """FedTOPS with the standard-error walk (module docstring)."""
+
+    strategy_name = "fedtops-se"
+    score_config = {"score-se": True}
+
+    def refine(self, server_round: int, selection, replies: list[Message]) -> float:
+        record = self.records[server_round]
+        a = selection.multiplier
+        if a == 0.0 or selection.fallback or not record.get("scored-node-ids"):
+            return a
+        errors = dict(zip(reply_nodes(self._score_sent, replies), (parse_errors(m, len(self.candidates)) for m in replies)))
+        scored = record["scored-node-ids"]
+        rows = [errors.get(n) or [math.inf] * len(self.candidates) for n in scored]
+        se = combined_se(rows, [self.client_weights[n] for n in scored])
+        change = [[math.inf if v is None else v for v in row] for row in record["change_scores"]]
+        feasible = feasible_indices(change, self.trust_budget, len(self.candidates), self.feasibility_tol, self.max_vetoes)
+        teacher = [math.inf if v is None else v for v in record["teacher_scores"]]
+        refined = smallest_clear_step(self.candidates, teacher, se, feasible, a)
+        record["teacher-score-se"] = [v if math.isfinite(v) else None for v in se]
+        record["paper-multiplier"] = a
+        return refined

@@ -1,0 +1,147 @@
+"""``fedtops-se`` (the lr study's variant, docs/sandbox.md): the standard error of Ĵ_i(a) on the
+client, its combination across clients, and the walk that keeps the smaller a unless a larger one
+is better by more than its standard error. Expected values by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_scores import P0, PA, Q, _cache, _kl
+from test_strategies import UPDATES, FakeGrid, _run
+
+from fedopd.config import StrategySettings, parse_run_config
+from fedopd.distill.cache import candidate_scores
+from fedtops_strategy import make_strategy
+from fedtops_strategy.fedtops_se import FedTOPSStandardError, combined_se, smallest_clear_step
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def test_the_client_standard_error_is_the_sd_of_the_per_position_kls_over_root_n():
+    q2, a2 = [0.1, 0.1, 0.8], [0.25, 0.25, 0.5]
+    j, _, se = candidate_scores(_cache([Q, q2], [P0, P0]), torch.tensor([PA, a2], dtype=torch.float64), with_se=True)
+    x = [_kl(Q, PA), _kl(q2, a2)]
+    # two values: sd = |x1 - x2| / sqrt(2), over sqrt(2): |x1 - x2| / 2
+    assert se == pytest.approx(abs(x[0] - x[1]) / 2, rel=1e-12)
+    assert j == pytest.approx(sum(x) / 2, rel=1e-12)
+    assert candidate_scores(_cache([Q], [P0]), torch.tensor([PA], dtype=torch.float64), with_se=True)[2] == math.inf
+
+
+def test_the_combined_standard_error_of_a_weighted_mean():
+    # weights 1 and 3, se 0.4 and 0.2 at the first candidate: sqrt(0.16 + 0.36) / 4
+    assert combined_se([[0.4, 1.0], [0.2, 0.0]], [1, 3]) == pytest.approx([math.sqrt(0.52) / 4, 0.25], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "teacher, se, ceiling, expected",
+    [
+        ([0.50, 0.45, 0.40], [0.0, 0.01, 0.01], 2.0, 2.0),  # each step better by 0.05 > 0.01: up to 2
+        ([0.50, 0.45, 0.40], [0.0, 0.10, 0.10], 2.0, 0.5),  # 0.05 < 0.10 at each step: stays at 0.5
+        ([0.50, 0.49, 0.40], [0.0, 0.05, 0.05], 2.0, 2.0),  # 1 is not clearly better than 0.5, 2 is (0.10 > 0.05)
+        ([0.50, 0.45, 0.40], [0.0, 0.01, 0.01], 1.0, 1.0),  # never above the paper's choice
+    ],
+)
+def test_the_walk_moves_up_only_when_a_larger_a_is_better_by_more_than_its_standard_error(teacher, se, ceiling, expected):
+    assert smallest_clear_step([0.5, 1.0, 2.0], teacher, se, [0, 1, 2], ceiling) == expected
+
+
+def test_the_walk_keeps_to_the_feasible_candidates():
+    assert smallest_clear_step([0.5, 1.0, 2.0], [0.50, 0.45, 0.40], [0.0, 0.01, 0.01], [1, 2], 2.0) == 2.0
+    assert smallest_clear_step([0.5, 1.0, 2.0], [0.50, 0.45, 0.40], [0.0, 0.10, 0.10], [1, 2], 2.0) == 1.0
+
+
+class SEGrid(FakeGrid):
+    """FakeGrid whose score replies also carry ``se[node]`` (Ĵ_i(a)'s standard errors)."""
+
+    def __init__(self, *args, se=None, **kw):
+        super().__init__(*args, **kw)
+        self.se = se or {}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for r in replies:
+            if r.metadata.message_type == "query.score" and r.metadata.src_node_id in self.se:
+                r.content.metric_records["scores"]["teacher-score-se"] = self.se[r.metadata.src_node_id]
+        return replies
+
+
+# Candidates (0.5, 1, 2, 3, 5, 10), δ = 0.05; both clients weigh 1. Feasible: 0.5, 1, 2 (a = 3's
+# K̂ 0.08 > δ at node 1). Ĵ means 0.90, 0.85, 0.60: the paper's rule takes 2 (lowest Ĵ).
+SCORES = {
+    1: ([0.90, 0.85, 0.60, 0.5, 0.5, 0.5], [0.001, 0.01, 0.04, 0.08, 0.3, 0.5]),
+    2: ([0.90, 0.85, 0.60, 0.5, 0.5, 0.5], [0.001, 0.01, 0.03, 0.04, 0.06, 0.2]),
+}
+EQUAL = {1: 1, 2: 1}
+
+
+@pytest.mark.parametrize(
+    "se, expected",
+    [
+        # combined SE = sqrt(se² + se²) / 2 = se / sqrt(2). se = 0.01: every step (0.05, 0.25) is clear: 2
+        (0.01, 2.0),
+        # se = 0.1 (combined 0.0707): 0.5 -> 1 (0.05) is not clear, 0.5 -> 2 (0.30) is: 2
+        (0.1, 2.0),
+        # se = 0.5 (combined 0.354): nothing is clear: the smallest feasible, 0.5
+        (0.5, 0.5),
+    ],
+)
+def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se, expected):
+    strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
+    assert isinstance(strategy, FedTOPSStandardError)
+    grid = SEGrid(UPDATES, EQUAL, scores=SCORES, se={1: [se] * 6, 2: [se] * 6})
+    _run(strategy, grid)
+    query = next(m for m in grid.sent if m.metadata.message_type == "query.score")
+    assert query.content.config_records["config"]["score-se"] is True
+    record = strategy.records[1]
+    assert (record["paper-multiplier"], record["multiplier"]) == (2.0, expected)
+    assert record["teacher-score-se"][0] == pytest.approx(se / math.sqrt(2), rel=1e-12)
+
+
+def test_a_client_without_standard_errors_keeps_fedtops_se_at_the_smallest_feasible_a():
+    strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
+    _run(strategy, SEGrid(UPDATES, EQUAL, scores=SCORES, se={1: [0.01] * 6, 2: [-1.0] * 6}))
+    assert strategy.records[1]["multiplier"] == 0.5
+
+
+def test_the_paper_fedtops_score_query_asks_for_nothing_more():
+    strategy = make_strategy(StrategySettings(name="fedtops"), num_clients=2)
+    grid = FakeGrid(UPDATES, EQUAL, scores=SCORES)
+    _run(strategy, grid)
+    query = next(m for m in grid.sent if m.metadata.message_type == "query.score")
+    assert dict(query.content.config_records["config"]) == {"candidates": [0.5, 1.0, 2.0, 3.0, 5.0, 10.0], "server-round": 1}
+    assert strategy.records[1]["multiplier"] == 2.0 and "paper-multiplier" not in strategy.records[1]
+
+
+def test_fedtops_se_is_a_registered_strategy_name():
+    assert parse_run_config({"strategy.name": "fedtops-se"}).strategy.name == "fedtops-se"
+
+
+@pytest.mark.slow
+def test_a_fedtops_se_run_gets_standard_errors_from_real_clients(tmp_path):
+    from conftest import TINY
+
+    from server_app.inprocess import run_in_process
+
+    config = {
+        **TINY,
+        "rollout.backend": "hf",
+        "rollout.per-round": 8,
+        "rollout.max-new-tokens": 16,
+        "data.prompts-per-client": 16,
+        "train.mini-batch": 4,
+        "train.micro-batch": 2,
+        "eval.every": 0,
+        "num-server-rounds": 1,
+        "strategy.name": "fedtops-se",
+        "output-dir": str(tmp_path),
+    }
+    import json
+
+    run = run_in_process(config, num_clients=2)
+    [record] = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines() if json.loads(line)["round"] == 1]
+    se = record["teacher-score-se"]
+    # 2 clients, 4 rollouts × 16 positions each: finite, positive standard errors, one per candidate
+    assert len(se) == 6 and all(v is not None and v > 0 for v in se)
+    assert record["multiplier"] <= record["paper-multiplier"] or record["paper-multiplier"] == 0
