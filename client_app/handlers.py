@@ -31,7 +31,7 @@ from client_app.client_state import client_state_dir, latest_saved_round, load_r
 from fedopd.config import RunConfig
 from fedopd.core.procinfo import rss_mb
 from fedopd.distill.cache import ScoringCache
-from fedopd.engine.round import derive_seed, evaluate_heldout, score_round, train_round
+from fedopd.engine.round import CACHE_SOURCES, derive_seed, evaluate_heldout, score_round, train_round
 from fedopd.models.lora import check_compatible, from_record
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
@@ -55,6 +55,7 @@ class TrainRequest:
     learner: str = "federated"
     build_scoring_cache: bool = True
     pooled_clients: int = 0
+    scoring_cache: str = "round"  # where the scoring cache's rollouts come from (fedopd.engine.round.CACHE_SOURCES)
 
     @classmethod
     def from_config(cls, config) -> TrainRequest:
@@ -64,7 +65,10 @@ class TrainRequest:
         pooled = int(config.get("pooled-clients", 0))
         if pooled < 0:
             raise ValueError(f"train message: 'pooled-clients' = {pooled}; allowed: an integer >= 0")
-        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), pooled)
+        source = str(config.get("scoring-cache", cls.scoring_cache))
+        if source not in CACHE_SOURCES:
+            raise ValueError(f"train message: 'scoring-cache' = {source!r}; allowed: {', '.join(map(repr, CACHE_SOURCES))}")
+        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), pooled, source)
 
     @property
     def pooled(self) -> bool:
@@ -108,6 +112,7 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         optimizer_state=optimizer_state,
         teacher_batch=cfg.model.teacher_batch,
         build_cache=request.build_scoring_cache,
+        cache_source=request.scoring_cache,
         progress=lambda text: log(INFO, "client %d %s", pid, text),
     )
 

@@ -60,6 +60,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # learning rate"); not in the default grid.
     "fedtops-cache-xl": {"strategy.name": "fedtops", "cache.rollouts": 8, "cache.positions": 64},
     "fedtops-se": {"strategy.name": "fedtops-se"},
+    "fedtops-heldout-cache": {"strategy.name": "fedtops-heldout-cache"},
 }
 DEFAULT_METHODS = ("local", "centralized", "fedavg", "fixed3", "fixed10", "fedtops")
 TITLES = {
@@ -71,6 +72,7 @@ TITLES = {
     "fedtops": "FedTOPS",
     "fedtops-cache-xl": "FedTOPS, cache 8 × 64",
     "fedtops-se": "FedTOPS, SE walk",
+    "fedtops-heldout-cache": "FedTOPS, held-out cache",
 }
 # Chosen once, before any method was compared: the sandbox preset's rate (3e-3, the largest at
 # which FedAvg's first rounds stayed stable when the preset was tuned) and a tenth of it.

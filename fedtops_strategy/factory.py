@@ -24,32 +24,32 @@ from flwr.serverapp.strategy import Strategy
 from fedopd.core.settings import PrivacySettings, StrategySettings, TimeoutSettings
 from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.fedtops import FedTOPS
-from fedtops_strategy.fedtops_se import FedTOPSStandardError
+from fedtops_strategy.fedtops_se import FedTOPSHeldoutCache, FedTOPSStandardError
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
 StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
 
+
+def _fedtops(cls: type[FedTOPS]) -> StrategyBuilder:
+    """The builder of FedTOPS or one of its variants from the ``strategy.*`` settings."""
+    return lambda cfg, common: cls(
+        candidates=cfg.candidates,
+        trust_budget=cfg.trust_budget,
+        max_vetoes=cfg.max_vetoes,
+        score_aggregate=cfg.score_aggregate,
+        trim_fraction=cfg.trim_fraction,
+        **common,
+    )
+
+
 STRATEGIES: dict[str, StrategyBuilder] = {
     "fedavg": lambda cfg, common: LoRAFedAvg(**common),
     "fixed": lambda cfg, common: FixedMultiplier(cfg.multiplier, **common),
-    "fedtops": lambda cfg, common: FedTOPS(
-        candidates=cfg.candidates,
-        trust_budget=cfg.trust_budget,
-        max_vetoes=cfg.max_vetoes,
-        score_aggregate=cfg.score_aggregate,
-        trim_fraction=cfg.trim_fraction,
-        **common,
-    ),
-    # The lr study's variant (docs/sandbox.md): the paper's rule, then the smaller a unless a larger is clearly better.
-    "fedtops-se": lambda cfg, common: FedTOPSStandardError(
-        candidates=cfg.candidates,
-        trust_budget=cfg.trust_budget,
-        max_vetoes=cfg.max_vetoes,
-        score_aggregate=cfg.score_aggregate,
-        trim_fraction=cfg.trim_fraction,
-        **common,
-    ),
+    "fedtops": _fedtops(FedTOPS),
+    # The lr study's variants (docs/sandbox.md, "Why FedTOPS trails FedAvg at the large learning rate")
+    "fedtops-se": _fedtops(FedTOPSStandardError),
+    "fedtops-heldout-cache": _fedtops(FedTOPSHeldoutCache),
     "local": lambda cfg, common: LocalTraining(**common),
     "centralized": lambda cfg, common: Centralized(**common),
 }

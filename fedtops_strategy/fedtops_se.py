@@ -1,4 +1,8 @@
-"""``fedtops-se``: FedTOPS that keeps the smaller multiplier unless a larger one is clearly better.
+"""The lr study's FedTOPS variants (docs/sandbox.md), off by default: ``fedtops-se`` keeps the
+smaller multiplier unless a larger one is clearly better; ``fedtops-heldout-cache`` scores on
+rollouts of prompts the clients did not train on.
+
+``fedtops-se``:
 
 A variant of the lr 3e-3 study (docs/sandbox.md, "Why FedTOPS trails FedAvg at the large learning
 rate"), off by default. The score query also asks each client for the standard error of its
@@ -77,3 +81,12 @@ class FedTOPSStandardError(FedTOPS):
         record["teacher-score-se"] = [v if math.isfinite(v) else None for v in se]
         record["paper-multiplier"] = a
         return refined
+
+
+class FedTOPSHeldoutCache(FedTOPS):
+    """``fedtops-heldout-cache``: the paper's rule, scored on a held-out scoring cache: each client
+    builds it from one rollout each of ``cache.rollouts`` prompts it does not train on this round,
+    generated at θ_t (the lr study's third variant; off by default)."""
+
+    strategy_name = "fedtops-heldout-cache"
+    scoring_cache = "untrained"

@@ -18,7 +18,8 @@ the strategy's name (``client_app/handlers.py`` reads it):
   same, and it keeps its own adapter: a resumed client restores it), ``"centralized"`` (one
   learner on the pooled prompts of every partition, with their combined rollouts per round);
 * ``"build-scoring-cache"``: build the scoring cache before the local epoch (FedTOPS scores
-  candidates on it).
+  candidates on it); ``"scoring-cache"`` (only when not ``"round"``): ``"untrained"`` builds it
+  from rollouts of prompts the client does not train on this round (``fedtops-heldout-cache``).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ class ReplyScreening:
     max_weight = 0.0  # 0 = off; c: weights cut to at most c × the round's median
     aggregator = None  # a Flower strategy whose aggregate_train averages (None: this strategy's own FedAvg)
     privacy = None  # fedtops_strategy.privacy.UpdatePrivacy: Flower's DP wrapper averages instead (privacy.*)
+    scoring_cache = "round"  # where clients take the scoring cache's rollouts from (a variant: "untrained")
     start_timeout = float("inf")  # seconds a round waits for the nodes it needs
     skip_after = 0  # consecutive timed-out rounds after which a node sits out as many rounds (0: never)
 
@@ -186,6 +188,8 @@ class ReplyScreening:
             self.min_available_nodes = self.min_train_nodes
         config["learner"] = self.learner
         config["build-scoring-cache"] = self.builds_scoring_cache
+        if self.scoring_cache != "round":  # the paper's messages stay as they were
+            config["scoring-cache"] = self.scoring_cache
         if self.privacy is not None:
             self.privacy.train_config(config)  # client side: the clipping norm for Flower's mod
         self.skipped_node_ids: list[int] = []

@@ -145,3 +145,63 @@ def test_a_fedtops_se_run_gets_standard_errors_from_real_clients(tmp_path):
     # 2 clients, 4 rollouts × 16 positions each: finite, positive standard errors, one per candidate
     assert len(se) == 6 and all(v is not None and v > 0 for v in se)
     assert record["multiplier"] <= record["paper-multiplier"] or record["paper-multiplier"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fedtops-heldout-cache: the scoring cache from prompts the client does not train on this round
+# ---------------------------------------------------------------------------------------------
+
+
+def test_untrained_indices_avoid_the_round_batch_and_repeat_for_a_seed():
+    from fedopd.data.prompts import untrained_indices
+
+    picked = untrained_indices(10, [0, 2, 4, 6, 8], 4, seed=7)
+    assert len(set(picked.tolist())) == 4 and not set(picked.tolist()) & {0, 2, 4, 6, 8}
+    assert picked.tolist() == untrained_indices(10, [0, 2, 4, 6, 8], 4, seed=7).tolist()
+    with pytest.raises(ValueError, match="needs 6 prompts outside"):
+        untrained_indices(10, [0, 2, 4, 6, 8], 6, seed=7)
+
+
+def test_the_train_message_asks_for_a_heldout_cache_only_under_that_variant():
+    from client_app.handlers import TrainRequest
+
+    for name, expected in (("fedtops", None), ("fedtops-heldout-cache", "untrained")):
+        strategy = make_strategy(StrategySettings(name=name), num_clients=2)
+        grid = FakeGrid(UPDATES, EQUAL, scores=SCORES)
+        _run(strategy, grid)
+        config = grid.sent[0].content.config_records["config"]
+        assert config.get("scoring-cache") == expected
+        assert TrainRequest.from_config({**dict(config), "server-round": 1}).scoring_cache == (expected or "round")
+    with pytest.raises(ValueError, match="'scoring-cache' = 'future'"):
+        TrainRequest.from_config({"server-round": 1, "scoring-cache": "future"})
+
+
+@pytest.mark.slow
+def test_a_heldout_cache_holds_rollouts_of_prompts_the_round_does_not_train_on(tiny_pair):
+    import dataclasses
+
+    from conftest import TINY
+
+    from fedopd.data import encode_prompts, round_indices, tiny_arith_partition
+    from fedopd.engine.round import ClientModels, train_round
+    from fedopd.rollout import HFRolloutEngine
+
+    student, teacher = tiny_pair
+    models = ClientModels(student, teacher, HFRolloutEngine(student))
+    cfg = parse_run_config(TINY)
+    prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
+    kwargs = dict(
+        rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
+        cache=cfg.cache,
+        train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=2),
+        server_round=1,
+        seed=42,
+        step_offset=0,
+        total_steps=2,
+    )
+    out = train_round(models, student.get_lora_arrays(), prompts, cache_source="untrained", **kwargs)
+    trained = {tuple(prompts[i].token_ids) for i in round_indices(len(prompts), 1, 8, 42)}
+    rows = [tuple(r[m.astype(bool)].tolist()) for r, m in zip(out.cache.input_ids, out.cache.attention_mask)]
+    starts = [next((tuple(p.token_ids) for p in prompts if row[: len(p.token_ids)] == tuple(p.token_ids)), None) for row in rows]
+    assert len(rows) == cfg.cache.rollouts and all(s is not None for s in starts)  # each row is one of the client's prompts...
+    assert not set(starts) & trained  # ...that the round did not train on

@@ -46,7 +46,7 @@ HELP: dict[str, str] = {
     "train.exact-kl": "also report `kl_before` / `kl_after`, the exact KL over all rollouts before and after the epoch (two extra student passes; the round line then shows it)",
     "train.loss": "the per-token divergence of local OPD: `reverse_kl` (the paper's), `forward_kl`, or `jsd` (GKD's generalized JSD, β = `train.loss-beta`; TRL's definition); the scoring cache's Ĵ and K̂ stay reverse KLs",
     "train.loss-beta": "the per-token divergence of local OPD: `reverse_kl` (the paper's), `forward_kl`, or `jsd` (GKD's generalized JSD, β = `train.loss-beta`; TRL's definition); the scoring cache's Ĵ and K̂ stay reverse KLs",
-    "strategy.name": "`fedavg`, `fixed`, `fedtops`, and the references `local`, `centralized`",
+    "strategy.name": "`fedavg`, `fixed`, `fedtops`, and the references `local`, `centralized`; `fedtops-se` and `fedtops-heldout-cache` are variants of the lr study ([docs/sandbox.md](sandbox.md#why-fedtops-trails-fedavg-at-the-large-learning-rate-pre-registered-study)), off by default",
     "strategy.multiplier": "a for `fixed`, which requires it (>= 0)",
     "strategy.candidates": "FedTOPS candidates, in tie-breaking order",
     "strategy.trust-budget": "δ (the paper's; the tiny preset uses 0.01); `inf`: no constraint, the lowest Ĵ wins. How to choose it: [docs/sandbox.md](sandbox.md#choosing-the-trust-budget-δ)",

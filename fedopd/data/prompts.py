@@ -86,6 +86,15 @@ def epoch_order(num_prompts: int, epoch: int, per_round: int, seed: int) -> np.n
     return order
 
 
+def untrained_indices(num_prompts: int, trained: Sequence[int], count: int, seed: int) -> np.ndarray:
+    """``count`` distinct prompt indices outside ``trained`` (a round's batch), drawn with ``seed``:
+    the prompts of a held-out scoring cache. A ValueError when fewer than ``count`` are left."""
+    left = np.setdiff1d(np.arange(num_prompts), np.asarray(trained, dtype=np.int64))
+    if len(left) < count:
+        raise ValueError(f"a held-out scoring cache needs {count} prompts outside the round's {len(set(trained))}; the client has {num_prompts}")
+    return np.random.default_rng(seed).choice(left, size=count, replace=False)
+
+
 def round_indices(num_prompts: int, server_round: int, per_round: int, seed: int) -> np.ndarray:
     """Indices of the prompts a client uses in ``server_round`` (1-based).
 

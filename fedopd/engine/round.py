@@ -5,6 +5,7 @@ the candidate scores of the server's query. Flower-free: the ClientApp is a thin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from fedopd.core.settings import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
 from fedopd.data import Prompt, round_indices
 from fedopd.data.grading import is_correct
+from fedopd.data.prompts import untrained_indices
 from fedopd.distill.cache import ScoringCache, build_scoring_cache, score_candidates
 from fedopd.distill.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
 from fedopd.engine.heldout import evaluate_heldout, heldout_correctness  # noqa: F401 - re-exported: the old import path
@@ -108,6 +110,7 @@ def train_round(
     optimizer_state: dict[str, np.ndarray] | None = None,
     teacher_batch: int | None = None,
     build_cache: bool = True,
+    cache_source: str = "round",
     source: Mapping[str, np.ndarray] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> TrainOutput:
@@ -115,7 +118,10 @@ def train_round(
 
     ``seed`` is the client's seed (run seed and partition id); the prompt order, sampling and
     cache choice derive from it and ``server_round``. The scoring cache is built only when
-    ``build_cache`` (FedTOPS: the server will ask for candidate scores). ``source``: the adapter
+    ``build_cache`` (FedTOPS: the server will ask for candidate scores), from ``cache.rollouts`` of
+    the round's own rollouts (``cache_source = "round"``, the paper's) or from one rollout each of
+    ``cache.rollouts`` prompts the client does not train on this round (``"untrained"``: the lr
+    study's held-out scoring cache, generated at θ_t; the teacher runs on them). ``source``: the adapter
     that generates the rollouts when it is not θ_t itself (the rollout-source intervention,
     ``python -m eval.source_swap``); on-policy training leaves it None. ``progress``: called with a
     line for every phase that took at least :data:`PROGRESS_AFTER_S` seconds, and every
@@ -125,7 +131,8 @@ def train_round(
         raise ValueError("train_round: the client has no prompts")
     t0 = time.perf_counter()
     models.rollout.set_adapter(theta if source is None else source)
-    batch = [prompts[i] for i in round_indices(len(prompts), server_round, rollout.per_round, seed)]
+    batch_indices = round_indices(len(prompts), server_round, rollout.per_round, seed)
+    batch = [prompts[i] for i in batch_indices]
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, derive_seed(seed, server_round, 1))
     note = _phase_reporter(progress, server_round)
     if progress is not None and hasattr(models.rollout, "progress"):
@@ -153,7 +160,13 @@ def train_round(
     note(t_teacher - t2, f"teacher pass over {sum(b.num_tokens for b in batches.values())} response tokens")
 
     scoring_cache = None
-    if build_cache:
+    if build_cache and cache_source == "untrained":
+        picked = untrained_indices(len(prompts), batch_indices, cache.rollouts, derive_seed(seed, server_round, 4))
+        models.rollout.set_adapter(theta)
+        held = models.rollout.generate([prompts[i].token_ids for i in picked], dataclasses.replace(params, seed=derive_seed(seed, server_round, 5)))
+        models.student.set_lora_arrays(theta)
+        scoring_cache = build_scoring_cache(models.student, models.teacher, held, cache, derive_seed(seed, server_round, 2))
+    elif build_cache:
         all_hidden = torch.cat(list(hidden.values()))  # plan order = rollout order
         scoring_cache = build_scoring_cache(
             models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2), teacher_hidden=all_hidden
@@ -192,6 +205,8 @@ def train_round(
         metrics["cache_teacher_score"] = scoring_cache.teacher_score_at_start()
     return TrainOutput(result.arrays, result.optimizer_state, scoring_cache, metrics)
 
+
+CACHE_SOURCES = ("round", "untrained")  # train_round's cache_source
 
 PROGRESS_AFTER_S = 10.0  # phases shorter than this are not reported while the round runs
 
