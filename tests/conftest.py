@@ -16,6 +16,17 @@ TINY = {
     "num-server-rounds": 5,
     "eval.every": 0,
 }
+# A whole in-process run of the app on the tiny models in seconds: 8 short rollouts per client and round.
+TINY_RUN = {
+    **TINY,
+    "rollout.backend": "hf",
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 16,
+    "data.prompts-per-client": 16,
+    "train.mini-batch": 4,
+    "train.micro-batch": 2,
+    "eval.every": 0,
+}
 
 
 _OWN_CACHE = []

@@ -52,21 +52,6 @@ def test_the_walk_keeps_to_the_feasible_candidates():
     assert smallest_clear_step([0.5, 1.0, 2.0], [0.50, 0.45, 0.40], [0.0, 0.10, 0.10], [1, 2], 2.0) == 1.0
 
 
-class SEGrid(FakeGrid):
-    """FakeGrid whose score replies also carry ``se[node]`` (Ĵ_i(a)'s standard errors)."""
-
-    def __init__(self, *args, se=None, **kw):
-        super().__init__(*args, **kw)
-        self.se = se or {}
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = super().send_and_receive(messages, timeout=timeout)
-        for r in replies:
-            if r.metadata.message_type == "query.score" and r.metadata.src_node_id in self.se:
-                r.content.metric_records["scores"]["teacher-score-se"] = self.se[r.metadata.src_node_id]
-        return replies
-
-
 # Candidates (0.5, 1, 2, 3, 5, 10), δ = 0.05; both clients weigh 1. Feasible: 0.5, 1, 2 (a = 3's
 # K̂ 0.08 > δ at node 1). Ĵ means 0.90, 0.85, 0.60: the paper's rule takes 2 (lowest Ĵ).
 SCORES = {
@@ -90,7 +75,7 @@ EQUAL = {1: 1, 2: 1}
 def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se, expected):
     strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
     assert isinstance(strategy, FedTOPSStandardError)
-    grid = SEGrid(UPDATES, EQUAL, scores=SCORES, se={1: [se] * 6, 2: [se] * 6})
+    grid = FakeGrid(UPDATES, EQUAL, scores=SCORES, extra={("query.score", n): {"teacher-score-se": [se] * 6} for n in (1, 2)})
     _run(strategy, grid)
     query = next(m for m in grid.sent if m.metadata.message_type == "query.score")
     assert query.content.config_records["config"]["score-se"] is True
@@ -101,7 +86,8 @@ def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se
 
 def test_a_client_without_standard_errors_keeps_fedtops_se_at_the_smallest_feasible_a():
     strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
-    _run(strategy, SEGrid(UPDATES, EQUAL, scores=SCORES, se={1: [0.01] * 6, 2: [-1.0] * 6}))
+    extra = {("query.score", 1): {"teacher-score-se": [0.01] * 6}, ("query.score", 2): {"teacher-score-se": [-1.0] * 6}}
+    _run(strategy, FakeGrid(UPDATES, EQUAL, scores=SCORES, extra=extra))
     assert strategy.records[1]["multiplier"] == 0.5
 
 
@@ -120,23 +106,11 @@ def test_fedtops_se_is_a_registered_strategy_name():
 
 @pytest.mark.slow
 def test_a_fedtops_se_run_gets_standard_errors_from_real_clients(tmp_path):
-    from conftest import TINY
+    from conftest import TINY_RUN
 
     from server_app.inprocess import run_in_process
 
-    config = {
-        **TINY,
-        "rollout.backend": "hf",
-        "rollout.per-round": 8,
-        "rollout.max-new-tokens": 16,
-        "data.prompts-per-client": 16,
-        "train.mini-batch": 4,
-        "train.micro-batch": 2,
-        "eval.every": 0,
-        "num-server-rounds": 1,
-        "strategy.name": "fedtops-se",
-        "output-dir": str(tmp_path),
-    }
+    config = {**TINY_RUN, "num-server-rounds": 1, "strategy.name": "fedtops-se", "output-dir": str(tmp_path)}
     import json
 
     run = run_in_process(config, num_clients=2)

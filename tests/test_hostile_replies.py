@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY_RUN
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedopd.config import parse_run_config
@@ -28,13 +28,7 @@ from server_app.inprocess import FIRST_NODE_ID, InProcessGrid
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
 
 CONFIG = {
-    **TINY,
-    "rollout.backend": "hf",
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 16,
-    "data.prompts-per-client": 16,
-    "train.mini-batch": 4,
-    "train.micro-batch": 2,
+    **TINY_RUN,
     "num-server-rounds": 1,
     "eval.every": 0,
     "strategy.name": "fedtops",

@@ -9,7 +9,7 @@ client's ``context.state`` is lost before the message). A run in which no client
 from __future__ import annotations
 
 import pytest
-from conftest import TINY
+from conftest import TINY_RUN
 from flwr.app import Message
 
 from fedopd.config import parse_run_config
@@ -18,13 +18,7 @@ from server_app.inprocess import FIRST_NODE_ID, InProcessGrid
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("task_identity")]
 
 CONFIG = {
-    **TINY,
-    "rollout.backend": "hf",
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 16,
-    "data.prompts-per-client": 16,
-    "train.mini-batch": 4,
-    "train.micro-batch": 2,
+    **TINY_RUN,
     "num-server-rounds": 2,
     "eval.every": 0,
     "strategy.name": "fedtops",

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY_RUN
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
 from scipy.stats import norm
 from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _record, _run
@@ -195,22 +195,6 @@ def test_an_error_reply_does_not_stop_the_private_round():
 # ---------------------------------------------------------------------------------------------
 
 
-class MetricsGrid(FakeGrid):
-    """FakeGrid whose train replies also carry ``extra[node]`` metrics."""
-
-    def __init__(self, *args, extra=None, **kw):
-        super().__init__(*args, **kw)
-        self.extra = extra or {}
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = super().send_and_receive(messages, timeout=timeout)
-        for r in replies:
-            if r.metadata.message_type == "train" and not r.has_error():
-                for k, v in self.extra.get(r.metadata.src_node_id, {}).items():
-                    r.content.metric_records["metrics"][k] = v
-        return replies
-
-
 def test_client_side_train_messages_carry_c_and_which_mod_clips():
     strategy = _strategy(side="client", clip_norm=10.0)
     grid = FakeGrid(UPDATES, WEIGHTS)
@@ -231,7 +215,7 @@ def test_client_side_an_update_longer_than_the_c_it_was_sent_is_left_out():
 def test_client_side_adaptive_a_reply_without_its_norm_bit_is_left_out_not_a_crash():
     # Flower's wrapper raises AggregationError on a reply without 'norm_bit'; screening leaves it out.
     strategy = _strategy(side="client", clipping="adaptive", clip_norm=10.0, noise_multiplier=0.0)
-    grid = MetricsGrid(UPDATES, WEIGHTS, extra={1: {"norm_bit": 1}, 2: {"norm_bit": 7}})
+    grid = FakeGrid(UPDATES, WEIGHTS, extra={("train", 1): {"norm_bit": 1}, ("train", 2): {"norm_bit": 7}})
     new = _run(strategy, grid)
     np.testing.assert_allclose(new[0], 0.5 + U1[0], rtol=1e-6)
     [excluded] = strategy.records[1]["excluded"]
@@ -443,14 +427,7 @@ def test_adaptive_noise_beyond_what_the_count_noise_allows_is_refused_before_rou
 # ---------------------------------------------------------------------------------------------
 
 RUN = {
-    **TINY,
-    "rollout.backend": "hf",
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 16,
-    "data.prompts-per-client": 16,
-    "train.mini-batch": 4,
-    "train.micro-batch": 2,
-    "eval.every": 0,
+    **TINY_RUN,
     "strategy.name": "fedtops",
     "privacy.clipping": "fixed",
     "privacy.clip-norm": 0.05,  # the tiny clients' updates have norms 0.1-0.35: every one is clipped

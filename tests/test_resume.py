@@ -8,20 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import TINY_RUN
 
 from fedopd.config import ConfigError, parse_run_config
 from server_app.run_folder import complete_rounds, config_mismatch
 from tests.golden.record import without_timings  # timings, process ids and bytes sent (they carry the run folder's path)
 
 BASE = {
-    **TINY,
-    "rollout.backend": "hf",
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 16,
-    "data.prompts-per-client": 16,
-    "train.mini-batch": 4,
-    "train.micro-batch": 2,
+    **TINY_RUN,
     "num-server-rounds": 4,
     "eval.every": 0,
 }

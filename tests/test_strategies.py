@@ -22,8 +22,10 @@ def _record(arrays):
 class FakeGrid:
     """Answers train messages with ``updates[node]`` and score queries with ``scores[node]``."""
 
-    def __init__(self, updates, weights, scores=None, reverse=False, lost=None, connected=None):
+    def __init__(self, updates, weights, scores=None, reverse=False, lost=None, connected=None, extra=None):
         self.updates, self.weights, self.scores = updates, weights, scores or {}
+        # extra[(message type, node)]: more metrics in that node's reply (a norm bit, standard errors)
+        self.extra = extra or {}
         self.sent, self.timeouts, self.reverse = [], [], reverse
         # lost[node] = (message type, "silent" | "superlink"): in that phase the node never
         # answers, or the SuperLink answers for it with a Node Unavailable error, as Flower does.
@@ -60,12 +62,15 @@ class FakeGrid:
                 content = RecordDict(
                     {
                         "arrays": _record(self.updates[node]),
-                        "metrics": MetricRecord({"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5}),
+                        "metrics": MetricRecord(
+                            {"num-examples": self.weights[node], "kl_before": 1.0, "kl_after": 0.5, **self.extra.get(("train", node), {})}
+                        ),
                     }
                 )
             elif node in self.scores:
                 j, k = self.scores[node]
-                content = RecordDict({"scores": MetricRecord({"teacher-scores": j, "change-scores": k, "num-examples": self.weights[node]})})
+                extra = self.extra.get(("query.score", node), {})
+                content = RecordDict({"scores": MetricRecord({"teacher-scores": j, "change-scores": k, "num-examples": self.weights[node], **extra})})
             else:
                 continue  # this node does not answer
             meta = Metadata(
