@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eval.sandbox import GRADES, _run_cell, _single_thread, finished_run, grid_setting, result_row, run_config
+from eval.sandbox import GRADES, finished_run, grid_setting, result_row, run_cells, run_config
 
 # Fixed before the runs (2026-11-25, docs/privacy.md "What DP costs in the sandbox"): C from a
 # non-private pilot (seed 42, median update norm 1.6 / 0.9 / 0.4 / 0.07 in rounds 1-4), the noise
@@ -226,24 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    started = time.perf_counter()
     runs = {c: finished_run(runs_root, configs[c]) for c in cells}
     todo = [c for c in cells if runs[c] is None or not (runs[c] / GRADES).is_file()]
     print(f"{len(cells) - len(todo)} of {len(cells)} runs reused; running {len(todo)} with {args.jobs} job(s)", flush=True)
-    if todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_single_thread) as pool:
-            futures = {pool.submit(_run_cell, configs[c], runs[c]): c for c in todo}
-            for i, future in enumerate(as_completed(futures), 1):
-                c = futures[future]
-                runs[c], seconds = future.result()
-                print(
-                    f"[{i}/{len(todo)}] {c[0]} {level_label(c[1])} seed {c[2]} ({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)",
-                    flush=True,
-                )
+    run_cells(configs, runs, todo, args.jobs, lambda c, run: f"{c[0]} {level_label(c[1])} seed {c[2]}")
     rows = [privacy_row(m, lv, args.lr, s, runs[m, lv, s]) for m, lv, s in cells]
     k = next(int(key[4:]) for key in rows[0] if key.startswith("avg@"))
     found = paired_intervals(rows, args.bootstrap)

@@ -466,6 +466,25 @@ def _run_cell(config: dict[str, Any] | None, run: Path | None = None) -> tuple[P
     return run, time.perf_counter() - t0
 
 
+def run_cells(configs: dict, runs: dict, todo: list, jobs: int, describe) -> None:
+    """Run (or only grade) the grid cells in ``todo``, ``jobs`` at once in fresh single-threaded
+    interpreters; ``runs[cell]`` becomes each one's run folder, and a line ``[i/n] describe(cell, run)``
+    with its seconds is printed as each finishes."""
+    if not todo:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    started = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch or grader state
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_single_thread) as pool:
+        futures = {pool.submit(_run_cell, configs[cell], runs[cell]): cell for cell in todo}
+        for i, future in enumerate(as_completed(futures), 1):
+            cell = futures[future]
+            runs[cell], seconds = future.result()
+            print(f"[{i}/{len(todo)}] {describe(cell, runs[cell])} ({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)", flush=True)
+
+
 def load_grades(rows: list[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, np.ndarray]]:
     """(method, lr, seed) -> that run's ``greedy`` and ``sampled`` per-problem grades."""
     out = {}
@@ -734,7 +753,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    started = time.perf_counter()
     runs = {cell: finished_run(runs_root, configs[cell]) for cell in cells}
     todo = [cell for cell in cells if runs[cell] is None or not (runs[cell] / GRADES).is_file()]
     fresh = sum(1 for cell in todo if runs[cell] is None)
@@ -742,22 +760,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(cells) - fresh} of {len(cells)} runs already finished (reused); running {fresh} and grading {len(todo)} with {args.jobs} job(s)",
         flush=True,
     )
-    if todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch or grader state
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_single_thread) as pool:
-            futures = {pool.submit(_run_cell, configs[cell], runs[cell]): cell for cell in todo}
-            for i, future in enumerate(as_completed(futures), 1):
-                cell = futures[future]
-                runs[cell], seconds = future.result()
-                m, lr, s = cell
-                print(
-                    f"[{i}/{len(todo)}] {m} lr {lr:g} seed {s}: greedy {result_row(m, lr, s, runs[cell])['accuracy']:.1f}% "
-                    f"({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)",
-                    flush=True,
-                )
+    def done(cell, run: Path) -> str:
+        m, lr, s = cell
+        return f"{m} lr {lr:g} seed {s}: greedy {result_row(m, lr, s, run)['accuracy']:.1f}%"
+
+    run_cells(configs, runs, todo, args.jobs, done)
     rows = [result_row(m, lr, s, runs[m, lr, s]) for m, lr, s in cells]
 
     args.out.mkdir(parents=True, exist_ok=True)
