@@ -84,9 +84,15 @@ def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se
     assert record["teacher-score-se"][0] == pytest.approx(se / math.sqrt(2), rel=1e-12)
 
 
-def test_a_client_without_standard_errors_keeps_fedtops_se_at_the_smallest_feasible_a():
+@pytest.mark.parametrize(
+    "node2",
+    # Taken at face value, -0.01 and five of 0.01 would make every step clear (combined SE 0.007): a = 2.
+    [{"teacher-score-se": [-0.01] * 6}, {"teacher-score-se": [0.01] * 5}, {"teacher-score-se": [float("nan")] * 6}, {}],
+    ids=["negative", "wrong-length", "nan", "absent"],
+)
+def test_a_client_without_valid_standard_errors_keeps_fedtops_se_at_the_smallest_feasible_a(node2):
     strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
-    extra = {("query.score", 1): {"teacher-score-se": [0.01] * 6}, ("query.score", 2): {"teacher-score-se": [-1.0] * 6}}
+    extra = {("query.score", 1): {"teacher-score-se": [0.01] * 6}, ("query.score", 2): node2}
     _run(strategy, FakeGrid(UPDATES, EQUAL, scores=SCORES, extra=extra))
     assert strategy.records[1]["multiplier"] == 0.5
 

@@ -212,10 +212,11 @@ def test_client_side_an_update_longer_than_the_c_it_was_sent_is_left_out():
     assert excluded["node-id"] == 2 and "exceeds the privacy clipping norm 3" in excluded["reason"]
 
 
-def test_client_side_adaptive_a_reply_without_its_norm_bit_is_left_out_not_a_crash():
+@pytest.mark.parametrize("node2_bit", [{"norm_bit": 7}, {}], ids=["not-0-or-1", "absent"])
+def test_client_side_adaptive_a_reply_without_its_norm_bit_is_left_out_not_a_crash(node2_bit):
     # Flower's wrapper raises AggregationError on a reply without 'norm_bit'; screening leaves it out.
     strategy = _strategy(side="client", clipping="adaptive", clip_norm=10.0, noise_multiplier=0.0)
-    grid = FakeGrid(UPDATES, WEIGHTS, extra={("train", 1): {"norm_bit": 1}, ("train", 2): {"norm_bit": 7}})
+    grid = FakeGrid(UPDATES, WEIGHTS, extra={("train", 1): {"norm_bit": 1}, ("train", 2): node2_bit})
     new = _run(strategy, grid)
     np.testing.assert_allclose(new[0], 0.5 + U1[0], rtol=1e-6)
     [excluded] = strategy.records[1]["excluded"]
