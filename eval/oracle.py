@@ -56,6 +56,16 @@ def sign_test(more: int, less: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def allowed_candidates(change_scores: Sequence[Sequence[float | None]], trust_budget: float, num_candidates: int) -> list[bool]:
+    """Which candidates the round's K̂ rows allow (every scored client's K̂ <= δ); a score the record
+    holds as null (non-finite when the client computed it) makes that candidate infeasible."""
+    from fedtops_strategy.selection import feasible_indices
+
+    rows = [[math.inf if v is None else float(v) for v in row] for row in change_scores]
+    feasible = set(feasible_indices(rows, trust_budget, num_candidates))
+    return [j in feasible for j in range(num_candidates)]
+
+
 def summarize(rounds: Sequence[Mapping[str, Any]], key: str = "oracle") -> dict[str, Any]:
     """How Ĵ's choices compare with ``key`` (``oracle`` or ``oracle_feasible``) over the scored
     ``rounds``: counts of a_Ĵ above, equal to and below the oracle's a, the mean log2(a_Ĵ / a_oracle),
@@ -70,7 +80,9 @@ def summarize(rounds: Sequence[Mapping[str, Any]], key: str = "oracle") -> dict[
         if o > 0:
             logs.append(math.log2(a / o))
         acc = r["accuracy"]
-        lost.append(100 * (acc[r["candidates"].index(o)] - acc[r["candidates"].index(a)]))
+        # A capped or fallback a (1.0) need not be a candidate: grade_run grades it apart.
+        chosen = r["selected_accuracy"] if "selected_accuracy" in r else acc[r["candidates"].index(a)]
+        lost.append(100 * (acc[r["candidates"].index(o)] - chosen))
     return {
         "rounds": more + same + less,
         "more": more,
@@ -82,20 +94,22 @@ def summarize(rounds: Sequence[Mapping[str, Any]], key: str = "oracle") -> dict[
     }
 
 
-def grade_run(run: Path) -> dict[str, Any]:
-    """Every candidate of every scored round of ``run``, graded (cached in ``run/oracle.json``)."""
+def grade_run(run: Path, num_partitions: int | None = None) -> dict[str, Any]:
+    """Every candidate of every scored round of ``run``, graded (cached in ``run/oracle.json``) on
+    the held-out problems of ``num_partitions`` clients (default: the run's ``num-clients``)."""
     from client_app.worker import setup_heldout
     from fedopd.config import parse_run_config
     from fedopd.engine.heldout import greedy_correctness
     from fedopd.models.lora import apply_increment, load_adapter
-    from fedtops_strategy.selection import feasible_indices
     from server_app.run_folder import read_rounds, read_run_config
 
     cached = run / ORACLE
     if cached.is_file():
         return json.loads(cached.read_text())
     cfg = parse_run_config(read_run_config(run))
-    num = int(cfg.num_clients or 3)
+    num = int(num_partitions or cfg.num_clients)
+    if num < 1:
+        raise ValueError(f"{run}: the run's num-clients is 0 (every node connected): give the number of partitions with --num-partitions")
     setups = [setup_heldout(cfg, i, num) for i in range(num)]
     rounds = []
     for record in read_rounds(run):
@@ -110,13 +124,15 @@ def grade_run(run: Path) -> dict[str, Any]:
             continue
         theta = load_adapter(run / f"round-{t - 1:03d}")
         delta = recover_increment(theta, load_adapter(run / f"round-{t:03d}"), a_t)
-        accuracy = []
-        for a in record["candidates"]:
+        def accuracy_at(a: float) -> float:
             candidate = {k: v.astype(np.float32) for k, v in apply_increment(theta, delta, a).items()}
             grades = np.concatenate([greedy_correctness(models, candidate, prompts, cfg.eval.max_new_tokens)[0] for models, prompts in setups])
-            accuracy.append(float(np.mean(grades)))
-        feasible = set(feasible_indices(record["change_scores"], cfg.strategy.trust_budget, len(record["candidates"])))
-        allowed = [j in feasible for j in range(len(record["candidates"]))]
+            return float(np.mean(grades))
+
+        accuracy = [accuracy_at(a) for a in record["candidates"]]
+        if a_t not in record["candidates"]:
+            entry["selected_accuracy"] = accuracy_at(a_t)
+        allowed = allowed_candidates(record["change_scores"], cfg.strategy.trust_budget, len(record["candidates"]))
         entry.update(
             accuracy=accuracy,
             feasible=allowed,
@@ -155,12 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.oracle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="FedTOPS run folders")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--num-partitions", type=int, default=None, help="clients whose held-out problems grade (default: the run's num-clients)")
     args = p.parse_args(argv)
     missing = [str(r) for r in args.runs if not (r / "rounds.jsonl").is_file()]
     if missing:
         print(f"error: not run folders (no rounds.jsonl): {', '.join(missing)}", file=sys.stderr)
         return 2
-    runs = [grade_run(r) for r in args.runs]
+    if args.num_partitions is not None and args.num_partitions < 1:
+        print(f"error: --num-partitions = {args.num_partitions}: allowed: an integer >= 1", file=sys.stderr)
+        return 2
+    try:
+        runs = [grade_run(r, args.num_partitions) for r in args.runs]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / ORACLE).write_text(json.dumps(runs, indent=2) + "\n")
     text = table(runs)

@@ -29,9 +29,10 @@ SE_KEY = "teacher-score-se"
 
 
 def combined_se(errors: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
-    """The standard error of the weighted mean Ĵ per candidate: √(Σ w_i² se_i²) / Σ w_i."""
+    """The standard error of the weighted mean Ĵ per candidate: √(Σ w_i² se_i²) / Σ w_i (inf when
+    a term overflows: a product, unlike ``**``, gives inf instead of raising)."""
     total = sum(weights)
-    return [math.sqrt(sum((w * row[j]) ** 2 for w, row in zip(weights, errors))) / total for j in range(len(errors[0]))]
+    return [math.sqrt(sum((w * row[j]) * (w * row[j]) for w, row in zip(weights, errors))) / total for j in range(len(errors[0]))]
 
 
 def smallest_clear_step(candidates: Sequence[float], teacher: Sequence[float], se: Sequence[float], feasible: Sequence[int], ceiling: float) -> float:

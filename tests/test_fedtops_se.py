@@ -34,6 +34,11 @@ def test_the_combined_standard_error_of_a_weighted_mean():
     assert combined_se([[0.4, 1.0], [0.2, 0.0]], [1, 3]) == pytest.approx([math.sqrt(0.52) / 4, 0.25], rel=1e-12)
 
 
+def test_a_standard_error_too_large_to_square_combines_to_inf_not_an_overflow_error():
+    # (3 × 1e200)² overflows a float: the combined SE is inf (the walk then stays at the smallest a).
+    assert combined_se([[1e200, 0.1]], [3]) == [math.inf, pytest.approx(0.1, rel=1e-12)]
+
+
 @pytest.mark.parametrize(
     "teacher, se, ceiling, expected",
     [
@@ -124,7 +129,8 @@ def test_a_fedtops_se_run_gets_standard_errors_from_real_clients(tmp_path):
     se = record["teacher-score-se"]
     # 2 clients, 4 rollouts × 16 positions each: finite, positive standard errors, one per candidate
     assert len(se) == 6 and all(v is not None and v > 0 for v in se)
-    assert record["multiplier"] <= record["paper-multiplier"] or record["paper-multiplier"] == 0
+    # the walk never goes above the paper's choice and lands on a candidate
+    assert record["multiplier"] <= record["paper-multiplier"] and record["multiplier"] in record["candidates"]
 
 
 # ---------------------------------------------------------------------------------------------

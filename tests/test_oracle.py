@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from eval.oracle import oracle_choice, recover_increment, sign_test, summarize
+from eval.oracle import allowed_candidates, main, oracle_choice, recover_increment, sign_test, summarize
 
 
 def test_the_increment_is_recovered_from_two_saved_adapters_and_the_multiplier():
@@ -49,3 +49,24 @@ def test_the_summary_counts_choices_against_the_oracle_and_the_accuracy_they_los
     assert s["mean_accuracy_lost_pp"] == pytest.approx((10 + 0 + 30) / 3, rel=1e-12)
     assert s["sign_test_p"] == 1.0
     assert math.isclose(summarize(rounds[:1])["sign_test_p"], 1.0)  # one of one: 2 × 1/2
+
+
+def test_a_score_recorded_as_null_makes_its_candidate_infeasible_not_a_crash():
+    # δ = 0.05: candidate 1 has a null K̂ (non-finite on the client), candidate 2 a K̂ of 0.2.
+    assert allowed_candidates([[0.01, None, 0.2], [0.02, 0.03, 0.04]], 0.05, 3) == [True, False, False]
+
+
+def test_a_selected_a_outside_the_candidates_is_compared_by_its_own_grade():
+    # A capped round: a = 1.0 is not a candidate; graded apart at 0.45, the oracle's 2.0 at 0.6: 15 pp lost.
+    rounds = [{"selected": 1.0, "oracle": 2.0, "candidates": [0.5, 2.0], "accuracy": [0.4, 0.6], "selected_accuracy": 0.45}]
+    s = summarize(rounds)
+    assert (s["more"], s["less"]) == (0, 1) and s["mean_accuracy_lost_pp"] == pytest.approx(15.0, rel=1e-12)
+
+
+def test_the_command_refuses_what_is_not_a_run_folder_and_a_partition_count_below_1(tmp_path, capsys):
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "not run folders (no rounds.jsonl)" in capsys.readouterr().err
+    (tmp_path / "rounds.jsonl").write_text("")
+    assert main([str(tmp_path), "--out", str(tmp_path / "out"), "--num-partitions", "0"]) == 2
+    assert "--num-partitions = 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
