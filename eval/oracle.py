@@ -124,6 +124,7 @@ def grade_run(run: Path, num_partitions: int | None = None) -> dict[str, Any]:
             continue
         theta = load_adapter(run / f"round-{t - 1:03d}")
         delta = recover_increment(theta, load_adapter(run / f"round-{t:03d}"), a_t)
+
         def accuracy_at(a: float) -> float:
             candidate = {k: v.astype(np.float32) for k, v in apply_increment(theta, delta, a).items()}
             grades = np.concatenate([greedy_correctness(models, candidate, prompts, cfg.eval.max_new_tokens)[0] for models, prompts in setups])

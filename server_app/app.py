@@ -147,7 +147,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     grid = PromptGrid(grid, on_reply=log_reply)
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    check_data(cfg, num_clients)
+    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout, privacy=cfg.privacy)
+    check_data(cfg, num_clients, scoring_cache=getattr(strategy, "scoring_cache", "round"))
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
@@ -155,7 +156,6 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     check_positions(cfg)
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout, privacy=cfg.privacy)
     if cfg.num_clients:
         # The schema's ranges (fedtops_strategy/schema.py): partition ids in [0, num-clients), and a
         # client holds at most the whole prompt pool (data.prompts-per-client per client).
@@ -189,19 +189,29 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         raise
 
 
-def check_data(cfg: RunConfig, num_partitions: int) -> None:
+def check_data(cfg: RunConfig, num_partitions: int, scoring_cache: str = "round") -> None:
     """The prompt set and its partition over ``num_partitions`` clients, before anything is
     written (:func:`fedopd.data.check_prompt_set`): empty partitions, a partition-by column that
     is not there, too few sandbox problems, files without their columns, gold answers that
     math-verify cannot parse. ``data.name = 'prompts'`` files that are not on this host (a hub id,
-    or files that only the clients hold) are checked by each client when it loads them."""
+    or files that only the clients hold) are checked by each client when it loads them. A held-out
+    scoring cache (``scoring_cache = 'untrained'``) needs ``cache.rollouts`` prompts beyond a round's
+    batch on every client."""
     from fedopd.data import check_prompt_set
+
+    need = None
+    if scoring_cache == "untrained":
+        need = (
+            cfg.rollout.per_round + cfg.cache.rollouts,
+            f"strategy.name = {cfg.strategy.name!r} scores on prompts outside the round's batch: rollout.per-round + cache.rollouts "
+            f"= {cfg.rollout.per_round} + {cfg.cache.rollouts}",
+        )
 
     if cfg.data.name == "prompts" and not Path(cfg.data.path).expanduser().exists():
         log(INFO, "data.path = '%s' is not a local path here; each client checks its prompts when it loads them", cfg.data.path)
         return
     try:
-        check_prompt_set(cfg.data, num_partitions, cfg.eval.prompts_per_client if cfg.eval.every else 0)
+        check_prompt_set(cfg.data, num_partitions, cfg.eval.prompts_per_client if cfg.eval.every else 0, need)
     except (ValueError, OSError) as err:
         log(ERROR, "FedTOPS: the prompt set cannot be used, nothing was run or written: %s", err)
         raise ConfigError(str(err)) from None

@@ -191,3 +191,50 @@ def test_a_heldout_cache_holds_rollouts_of_prompts_the_round_does_not_train_on(t
     starts = [next((tuple(p.token_ids) for p in prompts if row[: len(p.token_ids)] == tuple(p.token_ids)), None) for row in rows]
     assert len(rows) == cfg.cache.rollouts and all(s is not None for s in starts)  # each row is one of the client's prompts...
     assert not set(starts) & trained  # ...that the round did not train on
+
+
+def test_a_heldout_cache_run_with_too_few_prompts_per_client_is_refused_before_anything_is_written(tmp_path):
+    from conftest import TINY_RUN
+
+    from fedopd.config import ConfigError
+    from server_app.inprocess import run_in_process
+
+    # 8 prompts a round + 4 for the cache = 12 needed; each client holds 10.
+    config = {**TINY_RUN, "strategy.name": "fedtops-heldout-cache", "data.prompts-per-client": 10, "output-dir": str(tmp_path / "runs")}
+    with pytest.raises(ConfigError, match=r"partition 0 of 2 has 10 prompts; strategy.name = 'fedtops-heldout-cache' .* = 8 \+ 4 needs at least 12"):
+        run_in_process(config, num_clients=2)
+    assert not (tmp_path / "runs").exists()
+    from server_app.app import check_data
+
+    check_data(parse_run_config({**config, "strategy.name": "fedtops"}), 2)  # the paper's cache needs no more than the batch
+
+
+def test_a_client_with_too_few_prompts_for_a_heldout_cache_fails_before_its_rollouts():
+    from conftest import TINY_RUN
+
+    from fedopd.data.prompts import Prompt
+    from fedopd.engine.round import ClientModels, train_round
+
+    class NoRollouts:
+        def set_adapter(self, arrays):
+            pass
+
+        def generate(self, prompts, params):
+            raise AssertionError("generated rollouts for a round that cannot build its cache")
+
+    cfg = parse_run_config(TINY_RUN)
+    prompts = [Prompt(problem=f"{i}+0", answer=str(i), group="", token_ids=(1, 2, i)) for i in range(10)]  # 8 a round + 4 for the cache > 10
+    with pytest.raises(ValueError, match="needs 4 prompts outside the round's 8; the client has 10"):
+        train_round(
+            ClientModels(None, None, NoRollouts()),
+            {},
+            prompts,
+            rollout=cfg.rollout,
+            cache=cfg.cache,
+            train=cfg.train,
+            server_round=1,
+            seed=42,
+            step_offset=0,
+            total_steps=2,
+            cache_source="untrained",
+        )

@@ -7,13 +7,14 @@ from fedopd.data.hendrycks_math import check_math_groups
 from fedopd.data.registry import DATASETS
 
 
-def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int = 0) -> None:
+def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int = 0, min_prompts: tuple[int, str] | None = None) -> None:
     """Load and validate the configured prompt set and partition, before round 1 (the ServerApp).
 
     Every partition must be non-empty (``natural``: one value of ``data.partition-by`` per
     partition); for ``data.name = 'prompts'`` every file must be readable with its columns and
     every gold answer parseable by math-verify. With ``heldout_count`` (``eval.prompts-per-client``
-    when the run evaluates), every client must have held-out problems. Raises ``ValueError`` naming
+    when the run evaluates), every client must have held-out problems. With ``min_prompts`` =
+    (n, why), every client must have at least n training prompts. Raises ``ValueError`` naming
     the run-config key. Cheap for the built-in sets (``math`` with ``groups`` is not loaded here).
     """
     if data.name not in DATASETS:
@@ -35,8 +36,14 @@ def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int
         check_gold_answers(load_prompt_files(data.path, data.split, data.problem_column, data.answer_column), data.answer_column)
         check_gold_answers(eval_files(data), data.answer_column)
     for pid in range(num_partitions):
-        if not prompt_set.train_rows(data, pid, num_partitions):
+        rows = prompt_set.train_rows(data, pid, num_partitions)
+        if not rows:
             raise ValueError(f"data.name = {data.name!r}: client partition {pid} of {num_partitions} has no prompts")
+        if min_prompts is not None and len(rows) < min_prompts[0]:
+            raise ValueError(
+                f"data.name = {data.name!r}: client partition {pid} of {num_partitions} has {len(rows)} prompts; {min_prompts[1]} "
+                f"needs at least {min_prompts[0]}"
+            )
     if heldout_count > 0 and prompt_set.heldout_rows is not None:
         for pid in range(num_partitions):
             if not prompt_set.heldout_rows(data, pid, num_partitions, heldout_count):

@@ -133,6 +133,12 @@ def train_round(
     models.rollout.set_adapter(theta if source is None else source)
     batch_indices = round_indices(len(prompts), server_round, rollout.per_round, seed)
     batch = [prompts[i] for i in batch_indices]
+    # The held-out cache's prompts are drawn first: too few prompts fail before any rollout.
+    held_out = (
+        untrained_indices(len(prompts), batch_indices, cache.rollouts, derive_seed(seed, server_round, 4))
+        if build_cache and cache_source == "untrained"
+        else None
+    )
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, derive_seed(seed, server_round, 1))
     note = _phase_reporter(progress, server_round)
     if progress is not None and hasattr(models.rollout, "progress"):
@@ -160,10 +166,9 @@ def train_round(
     note(t_teacher - t2, f"teacher pass over {sum(b.num_tokens for b in batches.values())} response tokens")
 
     scoring_cache = None
-    if build_cache and cache_source == "untrained":
-        picked = untrained_indices(len(prompts), batch_indices, cache.rollouts, derive_seed(seed, server_round, 4))
+    if held_out is not None:
         models.rollout.set_adapter(theta)
-        held = models.rollout.generate([prompts[i].token_ids for i in picked], dataclasses.replace(params, seed=derive_seed(seed, server_round, 5)))
+        held = models.rollout.generate([prompts[i].token_ids for i in held_out], dataclasses.replace(params, seed=derive_seed(seed, server_round, 5)))
         models.student.set_lora_arrays(theta)
         scoring_cache = build_scoring_cache(models.student, models.teacher, held, cache, derive_seed(seed, server_round, 2))
     elif build_cache:
