@@ -402,6 +402,10 @@ ON = {"privacy.clipping": "fixed"}
         ({**ON, "strategy.name": "centralized"}, "privacy.clipping"),
         ({**ON, "privacy.change-score-max": 0.05}, "privacy.change-score-max"),  # = δ: every candidate feasible
         ({"privacy.noise-multiplier": 2.0}, "privacy.noise-multiplier"),  # set while off: no privacy would be a surprise
+        ({**ON, "strategy.name": "fedavg", "privacy.score-noise": 2.0}, "privacy.score-noise"),  # FedAvg has no score channel
+        ({**ON, "strategy.name": "fixed", "strategy.multiplier": 2.0, "privacy.teacher-score-max": 2.0}, "privacy.teacher-score-max"),
+        ({**ON, "privacy.target-quantile": 0.9}, "privacy.target-quantile"),  # fixed clipping has no quantile to track
+        ({**ON, "privacy.clipped-count-stddev": 0.5}, "privacy.clipped-count-stddev"),
     ],
 )
 def test_bad_privacy_values_are_refused_naming_the_key(overrides, key):

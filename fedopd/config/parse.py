@@ -225,6 +225,28 @@ def _check_privacy(cfg: RunConfig) -> None:
                 )
         return
     what = f"'privacy.clipping' = {p.clipping!r}"
+    inert = []
+    if s.name != "fedtops":  # the score channel is FedTOPS's
+        inert += [
+            (k, a, f"acts on FedTOPS's score channel, which 'strategy.name' = {s.name!r} does not have", "strategy.name = 'fedtops'")
+            for k, a in (
+                ("privacy.score-noise", "score_noise"),
+                ("privacy.teacher-score-max", "teacher_score_max"),
+                ("privacy.change-score-max", "change_score_max"),
+            )
+        ]
+    if p.clipping != "adaptive":
+        inert += [
+            (k, a, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
+            for k, a in (
+                ("privacy.target-quantile", "target_quantile"),
+                ("privacy.clip-norm-lr", "clip_norm_lr"),
+                ("privacy.clipped-count-stddev", "clipped_count_stddev"),
+            )
+        ]
+    for key, attr, why, instead in inert:
+        if getattr(p, attr) != getattr(base, attr):
+            raise ConfigError(f"run config '{key}' = {getattr(p, attr)!r} {why}; allowed: its default {getattr(base, attr)!r}, or {instead}")
     if s.name not in AVERAGING_STRATEGIES:
         raise ConfigError(
             f"run config {what} privatizes the average of client updates, which 'strategy.name' = {s.name!r} "
