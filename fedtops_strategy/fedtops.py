@@ -149,7 +149,7 @@ class FedTOPS(ReplyScreening, FedAvg):
         scores = self._valid_scores(server_round, replies, nodes)
         if self.privacy is not None and scores:
             # The scores as released (clipped, noised: docs/privacy.md); the selection is post-processing.
-            scores, released = self.privacy.release_scores(scores, np.random.default_rng())
+            scores, released = self.privacy.release_scores(scores, np.random.default_rng(), server_round)
             record.setdefault("privacy", {}).update({**released, **self.privacy.ledger.summary()})
         record["score_seconds"] = time.perf_counter() - self._score_started
         record["candidates"] = list(self.candidates)

@@ -25,8 +25,11 @@ The noise is drawn from the operating system's entropy, never from the run's ``s
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +54,9 @@ from fedopd.core.errors import ConfigError
 from fedopd.core.settings import PrivacySettings
 from fedopd.models.lora import Named, from_record
 from fedtops_strategy.bounds import update_norm
+
+# The run folder's journal of every release, written before the release leaves the server.
+JOURNAL = "privacy-ledger.jsonl"
 
 # The train config key that tells the ClientApp's clipping mod which of Flower's mods to run
 # (client_app/app.py); Flower's own KEY_CLIPPING_NORM carries C.
@@ -154,7 +160,9 @@ class PrivacyLedger:
 
     Add-or-remove-one client (zero-out: a client's clipped update and scores replaced by zeros),
     no amplification by subsampling (docs/privacy.md says why). A release with noise multiplier 0
-    is not private: ε is infinite from then on.
+    is not private: ε is infinite from then on. With :attr:`journal` set (the run folder's
+    :data:`JOURNAL`), every release is also appended there, and flushed to disk, before it leaves
+    the server: a resume counts the releases of a round that was cut off before its record.
     """
 
     def __init__(self, delta: float, population: int) -> None:
@@ -162,6 +170,7 @@ class PrivacyLedger:
         self.population = max(1, int(population))
         self.events: list[tuple[float, int]] = []  # (noise multiplier, clients) of every release
         self.accountant = self._accountant()
+        self.journal: Path | None = None
 
     def _accountant(self) -> RdpAccountant:
         config = PrivacyConfig(
@@ -176,9 +185,15 @@ class PrivacyLedger:
                 accountant.compose(GaussianPrivacyEvent(noise_multiplier=z, sample_size=m, population_size=self.population))
         return accountant
 
-    def compose(self, noise_multiplier: float, sample_size: int) -> None:
-        """Account one Gaussian release with ``noise_multiplier`` over ``sample_size`` clients."""
+    def compose(self, noise_multiplier: float, sample_size: int, what: str = "") -> None:
+        """Account one Gaussian release with ``noise_multiplier`` over ``sample_size`` clients
+        (``what``: a label for the journal, e.g. ``round 3 update``)."""
         z, m = float(noise_multiplier), max(1, int(sample_size))
+        if self.journal is not None:
+            with open(self.journal, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"release": what, "noise-multiplier": z, "clients": m}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
         self.events.append((z, m))
         if m > self.population:  # more nodes than the run was sized for: the metadata's population grows
             self.population = m
@@ -323,7 +338,7 @@ class UpdatePrivacy:
         if arrays is None:
             return None, None, record
         z = self.settings.noise_multiplier  # adaptive: z covers the update and the count together (Andrew et al.)
-        self.ledger.compose(z, m)
+        self.ledger.compose(z, m, f"round {server_round} update")
         record.update(
             {
                 "noise-multiplier": z,
@@ -335,24 +350,51 @@ class UpdatePrivacy:
         return arrays, metrics, record
 
     def release_scores(
-        self, rows: list[tuple[int, list[float], list[float]]], rng: np.random.Generator
+        self, rows: list[tuple[int, list[float], list[float]]], rng: np.random.Generator, server_round: int = 0
     ) -> tuple[list[tuple[int, list[float], list[float]]], dict[str, Any]]:
         """FedTOPS's score replies as released: each client's clipped, noised (Ĵ_i, K̂_i); accounted."""
         if not rows:
             return rows, {}
         s = self.settings
         out = [(node, *privatize_scores(j, k, s, rng)) for node, j, k in rows]
-        self.ledger.compose(s.score_noise, len(rows))
+        self.ledger.compose(s.score_noise, len(rows), f"round {server_round} scores")
         std_j, std_k = score_noise_stds(len(rows[0][1]), s.score_noise, s.teacher_score_max, s.change_score_max)
         return out, {"score-noise-multiplier": s.score_noise, "score-noise-std": [std_j, std_k]}
 
-    def replay(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Resume: account the releases recorded in ``records`` and restore C (adaptive)."""
+    def replay(self, records: Iterable[Mapping[str, Any]], journal: Path | None = None) -> None:
+        """Resume: account every release so far and restore C (adaptive) from the complete rounds'
+        ``records``. The releases come from ``journal`` when it exists (it also holds those of a
+        round cut off before its record, whose noisy values may have reached the clients), else
+        from the records (a run folder written before the journal)."""
+        records = list(records)
+        from_journal = journal is not None and journal.is_file()
+        if from_journal:
+            for z, m in read_journal(journal):
+                self.ledger.compose(z, m)
         for record in records:
             p = record.get("privacy") or {}
-            if "noise-multiplier" in p:
+            if not from_journal and "noise-multiplier" in p:
                 self.ledger.compose(float(p["noise-multiplier"]), int(p.get("clients", 1)))
-            if "score-noise-multiplier" in p:
+            if not from_journal and "score-noise-multiplier" in p:
                 self.ledger.compose(float(p["score-noise-multiplier"]), len(record.get("scored-node-ids") or [1]))
             if p.get("next-clip-norm"):
                 self.clipping_norm = float(p["next-clip-norm"])
+
+
+def read_journal(path: Path) -> list[tuple[float, int]]:
+    """(noise multiplier, clients) of every release in a run folder's :data:`JOURNAL`. A last line
+    cut off mid-write is left out (its release had not left the server); any other line that is
+    not a release raises ValueError naming the file and line."""
+    out = []
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            out.append((float(entry["noise-multiplier"]), int(entry["clients"])))
+        except (ValueError, KeyError, TypeError) as err:
+            if i == len(lines):  # no newline after it: the write was cut off
+                break
+            raise ValueError(f"{path}, line {i}: not a privacy release ({err})") from None
+    return out

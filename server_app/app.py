@@ -25,6 +25,8 @@ from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal
 from fedopd.models.lora import from_record
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
+from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
+from fedtops_strategy.privacy import read_journal
 from fedtops_strategy.screening import NodesNotConnected
 from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
@@ -129,6 +131,11 @@ def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) 
         raise ConfigError(
             f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow"
         )
+    if (path / PRIVACY_JOURNAL).is_file():
+        try:
+            read_journal(path / PRIVACY_JOURNAL)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
     done = max((r["round"] for r in complete_rounds(path)), default=0)
     if done >= cfg.num_server_rounds:
         raise ConfigError(
@@ -169,12 +176,14 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         if getattr(strategy, "privacy", None) is not None:  # the privacy spent so far, and adaptive clipping's C
-            strategy.privacy.replay(r for r in complete_rounds(run.path) if r["round"] <= done)
+            strategy.privacy.replay([r for r in complete_rounds(run.path) if r["round"] <= done], run.path / PRIVACY_JOURNAL)
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
+    if getattr(strategy, "privacy", None) is not None:
+        strategy.privacy.ledger.journal = run.path / PRIVACY_JOURNAL  # every release from here on, before it leaves
     grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
     run.write_status("running", done)

@@ -368,6 +368,45 @@ def test_a_round_with_more_clients_than_the_run_was_sized_for_keeps_every_earlie
     assert grown.population == 5 and grown.epsilon == pytest.approx(same.epsilon, rel=1e-9)
 
 
+def test_the_journal_holds_every_release_before_it_leaves_and_a_cut_off_last_line_is_not_one(tmp_path):
+    from fedtops_strategy.privacy import read_journal
+
+    ledger = PrivacyLedger(1e-5, 3)
+    ledger.journal = tmp_path / "privacy-ledger.jsonl"
+    ledger.compose(2.0, 3, "round 1 update")
+    ledger.compose(4.0, 2, "round 1 scores")
+    lines = [json.loads(line) for line in ledger.journal.read_text().splitlines()]
+    assert lines == [
+        {"release": "round 1 update", "noise-multiplier": 2.0, "clients": 3},
+        {"release": "round 1 scores", "noise-multiplier": 4.0, "clients": 2},
+    ]
+    with open(ledger.journal, "a") as f:
+        f.write('{"release": "round 2 upd')  # the server stopped mid-write: that release never left
+    assert read_journal(ledger.journal) == [(2.0, 3), (4.0, 2)]
+    ledger.journal.write_text('{"noise-multiplier": 2.0, "clients": 3}\nnot json\n{"noise-multiplier": 4.0, "clients": 2}\n')
+    with pytest.raises(ValueError, match="privacy-ledger.jsonl, line 2: not a privacy release"):
+        read_journal(ledger.journal)
+
+
+def test_a_resume_counts_the_journal_s_releases_and_takes_c_from_the_complete_rounds(tmp_path):
+    journal = tmp_path / "privacy-ledger.jsonl"
+    # Round 1 complete (update + scores), round 2's update released before the stop cut its record off.
+    journal.write_text("".join(json.dumps({"noise-multiplier": z, "clients": 2}) + "\n" for z in (2.0, 4.0, 2.0)))
+    records = [
+        {
+            "round": 1,
+            "privacy": {"noise-multiplier": 2.0, "clients": 2, "score-noise-multiplier": 4.0, "next-clip-norm": 0.7},
+            "scored-node-ids": [1, 2],
+        }
+    ]
+    resumed = UpdatePrivacy(_dp(clipping="adaptive", noise_multiplier=0.2, clipped_count_stddev=0.2), 2, 2)
+    resumed.replay(records, journal)
+    assert resumed.ledger.events == [(2.0, 2), (4.0, 2), (2.0, 2)] and resumed.clipping_norm == 0.7
+    older = UpdatePrivacy(_dp(clipping="adaptive", noise_multiplier=0.2, clipped_count_stddev=0.2), 2, 2)
+    older.replay(records, tmp_path / "absent.jsonl")  # a run folder from before the journal: its records
+    assert older.ledger.events == [(2.0, 2), (4.0, 2)]
+
+
 def test_a_release_without_noise_makes_epsilon_infinite_and_none_spends_nothing():
     ledger = PrivacyLedger(1e-5, 3)
     assert ledger.epsilon == 0.0
@@ -501,6 +540,27 @@ def test_a_resumed_private_run_keeps_counting_and_adaptive_clipping_goes_on_from
     accountant.compose(dp_accounting.GaussianDpEvent(0.2), 2)
     assert second["privacy"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
     assert second["privacy"]["releases"] == 2
+
+
+@pytest.mark.slow
+def test_a_round_cut_off_after_its_releases_still_counts_when_the_run_resumes(tmp_path):
+    from server_app.inprocess import run_in_process
+
+    run = run_in_process({**RUN, "num-server-rounds": 2, "output-dir": str(tmp_path)}, num_clients=2)
+    lines = (run / "rounds.jsonl").read_text().splitlines(keepends=True)
+    # The server stopped after round 2's update and scores were released, before its record.
+    (run / "rounds.jsonl").write_text("".join(line for line in lines if json.loads(line)["round"] < 2))
+    run_in_process({**RUN, "num-server-rounds": 2, "output-dir": str(tmp_path), "resume-from": str(run)}, num_clients=2)
+    last = _records(run)[-1]
+    # rounds 1, 2 (cut off) and 2 again: three rounds' releases, not two
+    assert last["round"] == 2 and last["privacy"]["releases"] == 6
+    assert last["privacy"]["epsilon"] == pytest.approx(_expected_epsilon(3), rel=1e-6)
+    assert len((run / "privacy-ledger.jsonl").read_text().splitlines()) == 6
+    with open(run / "privacy-ledger.jsonl", "a") as f:
+        f.write("edited by hand\n")
+    with pytest.raises(ConfigError, match="'resume-from' = .*: its privacy account cannot be read: .*line 7: not a privacy release"):
+        run_in_process({**RUN, "num-server-rounds": 3, "output-dir": str(tmp_path), "resume-from": str(run)}, num_clients=2)
+    assert _records(run)[-1]["round"] == 2
 
 
 # ---------------------------------------------------------------------------------------------
