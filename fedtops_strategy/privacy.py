@@ -371,6 +371,8 @@ class UpdatePrivacy:
         if from_journal:
             for z, m in read_journal(journal):
                 self.ledger.compose(z, m)
+        else:  # a folder from before the journal: the records' releases start it
+            self.ledger.journal = journal
         for record in records:
             p = record.get("privacy") or {}
             if not from_journal and "noise-multiplier" in p:

@@ -389,6 +389,8 @@ def test_the_journal_holds_every_release_before_it_leaves_and_a_cut_off_last_lin
 
 
 def test_a_resume_counts_the_journal_s_releases_and_takes_c_from_the_complete_rounds(tmp_path):
+    from fedtops_strategy.privacy import read_journal
+
     journal = tmp_path / "privacy-ledger.jsonl"
     # Round 1 complete (update + scores), round 2's update released before the stop cut its record off.
     journal.write_text("".join(json.dumps({"noise-multiplier": z, "clients": 2}) + "\n" for z in (2.0, 4.0, 2.0)))
@@ -403,8 +405,9 @@ def test_a_resume_counts_the_journal_s_releases_and_takes_c_from_the_complete_ro
     resumed.replay(records, journal)
     assert resumed.ledger.events == [(2.0, 2), (4.0, 2), (2.0, 2)] and resumed.clipping_norm == 0.7
     older = UpdatePrivacy(_dp(clipping="adaptive", noise_multiplier=0.2, clipped_count_stddev=0.2), 2, 2)
-    older.replay(records, tmp_path / "absent.jsonl")  # a run folder from before the journal: its records
+    older.replay(records, tmp_path / "absent.jsonl")  # a run folder from before the journal: its records...
     assert older.ledger.events == [(2.0, 2), (4.0, 2)]
+    assert read_journal(tmp_path / "absent.jsonl") == [(2.0, 2), (4.0, 2)]  # ...start the journal, for the next resume
 
 
 def test_a_release_without_noise_makes_epsilon_infinite_and_none_spends_nothing():

@@ -225,6 +225,12 @@ def _check_privacy(cfg: RunConfig) -> None:
                 )
         return
     what = f"'privacy.clipping' = {p.clipping!r}"
+    if s.name not in AVERAGING_STRATEGIES:
+        raise ConfigError(
+            f"run config {what} privatizes the average of client updates, which 'strategy.name' = {s.name!r} "
+            f"does not release; allowed: strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}, "
+            f"or 'privacy.clipping' = 'off'"
+        )
     inert = []
     if s.name != "fedtops":  # the score channel is FedTOPS's
         inert += [
@@ -247,12 +253,6 @@ def _check_privacy(cfg: RunConfig) -> None:
     for key, attr, why, instead in inert:
         if getattr(p, attr) != getattr(base, attr):
             raise ConfigError(f"run config '{key}' = {getattr(p, attr)!r} {why}; allowed: its default {getattr(base, attr)!r}, or {instead}")
-    if s.name not in AVERAGING_STRATEGIES:
-        raise ConfigError(
-            f"run config {what} privatizes the average of client updates, which 'strategy.name' = {s.name!r} "
-            f"does not release; allowed: strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}, "
-            f"or 'privacy.clipping' = 'off'"
-        )
     if s.aggregator != "fedavg":
         raise ConfigError(
             f"run config 'strategy.aggregator' = {s.aggregator!r} cannot be combined with {what}: the noise is "
