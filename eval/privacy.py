@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.sandbox import GRADES, finished_run, grid_setting, result_row, run_cells, run_config
+from eval.sandbox import GRADES, finished_run, grid_setting, mean_sd, paired_grade_intervals, result_row, run_cells, run_config
 
 # Fixed before the runs (2026-11-25, docs/privacy.md "What DP costs in the sandbox"): C from a
 # non-private pilot (seed 42, median update norm 1.6 / 0.9 / 0.4 / 0.07 in rounds 1-4), the noise
@@ -71,8 +71,6 @@ def privacy_row(method: str, level: str, lr: float, seed: int, run: Path) -> dic
 def paired_intervals(rows: list[dict[str, Any]], draws: int) -> list[dict[str, Any]]:
     """Paired bootstrap intervals (by seed, by problem) of FedTOPS − FedAvg at each level and of
     each level − no privacy for each method, greedy accuracy and Avg@k."""
-    from eval.bootstrap import problem_bootstrap, seed_bootstrap
-
     grades = {}
     for r in rows:
         with np.load(Path(r["run"]) / GRADES) as z:
@@ -85,28 +83,13 @@ def paired_intervals(rows: list[dict[str, Any]], draws: int) -> list[dict[str, A
         seeds = sorted({s for (m, lv, s) in grades if (m, lv) == a} & {s for (m, lv, s) in grades if (m, lv) == b})
         if not seeds:
             continue
-        for metric, key in (("accuracy", "greedy"), ("avg@k", "sampled")):
-            ga = np.stack([grades[(*a, s)][key].reshape(len(grades[(*a, s)][key]), -1) for s in seeds])
-            gb = np.stack([grades[(*b, s)][key].reshape(len(grades[(*b, s)][key]), -1) for s in seeds])
-            diff, s_lo, s_hi = seed_bootstrap(ga, gb, draws)
-            _, p_lo, p_hi = problem_bootstrap(ga, gb, draws)
-            out.append(
-                {
-                    "a": list(a),
-                    "b": list(b),
-                    "metric": metric,
-                    "seeds": seeds,
-                    "difference": diff,
-                    "per_seed": (100 * (gb.mean(axis=(1, 2)) - ga.mean(axis=(1, 2)))).tolist(),
-                    "by_seed": [s_lo, s_hi],
-                    "by_problem": [p_lo, p_hi],
-                }
-            )
+        found = paired_grade_intervals([grades[(*a, s)] for s in seeds], [grades[(*b, s)] for s in seeds], seeds, draws)
+        out += [{"a": list(a), "b": list(b), **d} for d in found]
     return out
 
 
 def _mean_sd(values: list[float]) -> str:
-    return f"{np.mean(values):.1f} ± {np.std(values, ddof=1) if len(values) > 1 else 0.0:.1f}"
+    return "{:.1f} ± {:.1f}".format(*mean_sd(values))
 
 
 def _epsilon_text(rows: list[dict[str, Any]]) -> str:
@@ -169,8 +152,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
             if not cell:
                 continue
             x = spots.get(lv) or float(np.mean([r["epsilon"] for r in cell]))
-            acc = [r["accuracy"] for r in cell]
-            pts.append((x * dx, float(np.mean(acc)), float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, lv))
+            pts.append((x * dx, *mean_sd([r["accuracy"] for r in cell]), lv))
         pts.sort()
         xs, ys, es, lvs = zip(*pts)
         ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=color, label="FedTOPS" if m == "fedtops" else "FedAvg")

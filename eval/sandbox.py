@@ -500,13 +500,38 @@ def load_grades(rows: list[dict[str, Any]]) -> dict[tuple[str, float, int], dict
 COMPARISONS = (("fedavg", "fedtops"), ("local", "fedavg"))
 
 
+def paired_grade_intervals(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]], seeds: list[int], draws: int) -> list[dict[str, Any]]:
+    """B − A in percentage points for greedy accuracy and Avg@k, from the two methods' per-seed
+    grades (``{"greedy": (problems,), "sampled": (problems, k)}``, paired by seed and problem): the
+    mean, each seed's, and the 95 % intervals by seed (:func:`eval.bootstrap.seed_bootstrap`) and
+    by problem (:func:`eval.bootstrap.problem_bootstrap`)."""
+    from eval.bootstrap import problem_bootstrap, seed_bootstrap
+
+    out = []
+    for metric, key in (("accuracy", "greedy"), ("avg@k", "sampled")):
+        ga = np.stack([g[key].reshape(len(g[key]), -1) for g in a])
+        gb = np.stack([g[key].reshape(len(g[key]), -1) for g in b])
+        diff, s_lo, s_hi = seed_bootstrap(ga, gb, draws)
+        _, p_lo, p_hi = problem_bootstrap(ga, gb, draws)
+        out.append(
+            {
+                "metric": metric,
+                "seeds": seeds,
+                "problems": int(ga.shape[1]),
+                "difference": diff,
+                "per_seed": (100 * (gb.mean(axis=(1, 2)) - ga.mean(axis=(1, 2)))).tolist(),
+                "by_seed": [s_lo, s_hi],
+                "by_problem": [p_lo, p_hi],
+            }
+        )
+    return out
+
+
 def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, Any]]:
     """Paired bootstrap intervals of B − A for each :data:`COMPARISONS` pair (and FedTOPS at each δ
     of a sweep − FedAvg) and learning rate, on
     the seeds both have: by seed (:func:`eval.bootstrap.seed_bootstrap`) and by problem
     (:func:`eval.bootstrap.problem_bootstrap`), for greedy accuracy and Avg@k."""
-    from eval.bootstrap import problem_bootstrap, seed_bootstrap
-
     grades = load_grades(rows)
     swept = swept_methods(rows)
     out = []
@@ -517,26 +542,8 @@ def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, A
             seeds = sorted({s for m, l, s in grades if m == a and l == lr} & {s for m, l, s in grades if m == b and l == lr})
             if not seeds:
                 continue
-            for metric, key in (("accuracy", "greedy"), ("avg@k", "sampled")):
-                ga = np.stack([grades[a, lr, s][key].reshape(len(grades[a, lr, s][key]), -1) for s in seeds])
-                gb = np.stack([grades[b, lr, s][key].reshape(len(grades[b, lr, s][key]), -1) for s in seeds])
-                diff, s_lo, s_hi = seed_bootstrap(ga, gb, draws)
-                _, p_lo, p_hi = problem_bootstrap(ga, gb, draws)
-                per_seed = (100 * (gb.mean(axis=(1, 2)) - ga.mean(axis=(1, 2)))).tolist()
-                out.append(
-                    {
-                        "lr": lr,
-                        "a": a,
-                        "b": b,
-                        "metric": metric,
-                        "seeds": seeds,
-                        "problems": int(ga.shape[1]),
-                        "difference": diff,
-                        "per_seed": per_seed,
-                        "by_seed": [s_lo, s_hi],
-                        "by_problem": [p_lo, p_hi],
-                    }
-                )
+            found = paired_grade_intervals([grades[a, lr, s] for s in seeds], [grades[b, lr, s] for s in seeds], seeds, draws)
+            out += [{"lr": lr, "a": a, "b": b, **d} for d in found]
     return out
 
 

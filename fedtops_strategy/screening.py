@@ -254,6 +254,7 @@ class ReplyScreening:
         replies = list(replies)
         excluded.extend(missing_replies(self._sent, replies, "train"))
         self.note_timeouts(server_round, [int(m.metadata.dst_node_id) for m in self._sent], [e["node-id"] for e in excluded])
+        theta = self.theta_arrays() if self.privacy is not None else None  # once, for the privacy check of every reply
         for msg, node in zip(replies, reply_nodes(self._sent, replies)):
             problem = (
                 f"error reply: {msg.error.reason}"
@@ -262,7 +263,7 @@ class ReplyScreening:
             )
             if not problem and self.privacy is not None:
                 problem = self.privacy.reply_problem(
-                    next(iter(msg.content.metric_records.values())), self.theta_arrays(), from_record(next(iter(msg.content.array_records.values())))
+                    next(iter(msg.content.metric_records.values())), theta, from_record(next(iter(msg.content.array_records.values())))
                 )
             if problem:
                 log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)

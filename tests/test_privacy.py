@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 from conftest import TINY_RUN
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from scipy.stats import norm
-from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _record, _run
+from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _record, _run, message
 
 from fedopd.config import ConfigError, StrategySettings, parse_run_config
 from fedopd.core.settings import PrivacySettings
@@ -78,19 +78,8 @@ def test_a_fixed_multiplier_moves_a_times_along_the_private_mean():
 def _views(updates, theta):
     out = []
     for i, u in enumerate(updates, 1):
-        meta = Metadata(
-            run_id=1,
-            message_id=f"r{i}",
-            src_node_id=i,
-            dst_node_id=0,
-            reply_to_message_id="",
-            group_id="",
-            created_at=0.0,
-            ttl=60.0,
-            message_type="train",
-        )
         content = RecordDict({"arrays": ArrayRecord({"w": Array(theta + u)}), "metrics": MetricRecord({"num-examples": 1})})
-        out.append(Message(content=content, metadata=meta))
+        out.append(message(content, "train", src=i, message_id=f"r{i}"))
     return out
 
 
@@ -226,10 +215,7 @@ def test_client_side_adaptive_a_reply_without_its_norm_bit_is_left_out_not_a_cra
 def _train_message(theta, clipping=None):
     config = ConfigRecord({"learner": "federated"} | ({"clipping_norm": 1.0, "privacy-clipping": clipping} if clipping else {}))
     content = RecordDict({"arrays": ArrayRecord({"w": Array(theta)}), "config": config})
-    meta = Metadata(
-        run_id=1, message_id="m1", src_node_id=0, dst_node_id=5, reply_to_message_id="", group_id="", created_at=0.0, ttl=60.0, message_type="train"
-    )
-    return Message(content=content, metadata=meta)
+    return message(content, "train", dst=5, message_id="m1")
 
 
 @pytest.mark.parametrize("clipping", [None, "fixed", "adaptive"])

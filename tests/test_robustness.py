@@ -15,8 +15,8 @@ import re
 
 import numpy as np
 import pytest
-from flwr.app import Message, Metadata, MetricRecord, RecordDict
-from test_strategies import THETA, FakeGrid, _common, _record, _run
+from flwr.app import Message, MetricRecord, RecordDict
+from test_strategies import THETA, FakeGrid, _common, _record, _run, message
 
 from fedopd.config import ConfigError, StrategySettings, TimeoutSettings, parse_run_config
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
@@ -362,18 +362,7 @@ def test_robustness_settings_that_cannot_apply_are_refused_naming_the_key(settin
 
 
 def _score_reply(teacher, change):
-    meta = Metadata(
-        run_id=1,
-        message_id="x",
-        src_node_id=3,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id="",
-        created_at=0.0,
-        ttl=60.0,
-        message_type="query.score",
-    )
-    return Message(content=RecordDict({"scores": MetricRecord({"teacher-scores": teacher, "change-scores": change})}), metadata=meta)
+    return message(RecordDict({"scores": MetricRecord({"teacher-scores": teacher, "change-scores": change})}), "query.score", src=3, message_id="x")
 
 
 def test_a_score_reply_without_a_weight_is_valid():

@@ -8,6 +8,23 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata,
 from fedopd.config import StrategySettings
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
 
+
+def message(content, message_type: str, *, src: int = 0, dst: int = 0, message_id: str = "m", reply_to: str = "") -> Message:
+    """A message as the runtime hands it over (``content``: a RecordDict, or an Error for an error reply)."""
+    meta = Metadata(
+        run_id=1,
+        message_id=message_id,
+        src_node_id=src,
+        dst_node_id=dst,
+        reply_to_message_id=reply_to,
+        group_id="",
+        created_at=0.0,
+        ttl=60.0,
+        message_type=message_type,
+    )
+    return Message(content, metadata=meta)
+
+
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 
@@ -45,18 +62,8 @@ class FakeGrid:
             phase, how = self.lost.get(node, (None, None))
             if phase == msg.metadata.message_type:
                 if how == "superlink":
-                    meta = Metadata(
-                        run_id=1,
-                        message_id=f"e{len(self.sent)}",
-                        src_node_id=1,
-                        dst_node_id=1,
-                        reply_to_message_id=msg.metadata.message_id,
-                        group_id="",
-                        created_at=0.0,
-                        ttl=60.0,
-                        message_type=phase,
-                    )
-                    replies.append(Message(Error(code=5, reason="Error: Node Unavailable"), metadata=meta))
+                    error = Error(code=5, reason="Error: Node Unavailable")
+                    replies.append(message(error, phase, src=1, dst=1, message_id=f"e{len(self.sent)}", reply_to=msg.metadata.message_id))
                 continue
             if msg.metadata.message_type == "train":
                 content = RecordDict(
@@ -73,18 +80,7 @@ class FakeGrid:
                 content = RecordDict({"scores": MetricRecord({"teacher-scores": j, "change-scores": k, "num-examples": self.weights[node], **extra})})
             else:
                 continue  # this node does not answer
-            meta = Metadata(
-                run_id=1,
-                message_id=f"r{len(self.sent)}",
-                src_node_id=node,
-                dst_node_id=0,
-                reply_to_message_id=msg.metadata.message_id,
-                group_id="",
-                created_at=0.0,
-                ttl=60.0,
-                message_type=msg.metadata.message_type,
-            )
-            replies.append(Message(content=content, metadata=meta))
+            replies.append(message(content, msg.metadata.message_type, src=node, message_id=f"r{len(self.sent)}", reply_to=msg.metadata.message_id))
         return replies[::-1] if self.reverse else replies
 
 
@@ -406,18 +402,7 @@ def test_a_score_reply_without_a_positive_finite_weight_is_left_out(weight):
     from fedtops_strategy.fedtops import parse_score_reply
 
     content = RecordDict({"scores": MetricRecord({"teacher-scores": [0.1] * 2, "change-scores": [0.0] * 2, "num-examples": weight})})
-    meta = Metadata(
-        run_id=1,
-        message_id="x",
-        src_node_id=3,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id="",
-        created_at=0.0,
-        ttl=60.0,
-        message_type="query.score",
-    )
-    problem, parsed = parse_score_reply(Message(content=content, metadata=meta), 2)
+    problem, parsed = parse_score_reply(message(content, "query.score", src=3, message_id="x"), 2)
     assert parsed is None and "'num-examples'" in problem
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedopd.core.errors import ConfigError
-from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, PrivacySettings, RunConfig, StrategySettings
+from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig
 from fedopd.data.registry import DATASETS as PROMPT_SETS
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
@@ -181,24 +181,32 @@ def _check_cross(cfg: RunConfig) -> None:
 AVERAGING_STRATEGIES = ("fedavg", "fixed", "fedtops")
 
 
+def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, instead: str) -> None:
+    """Refuse any of ``keys`` ((run-config key, attribute)) that ``settings`` sets away from its
+    default: ``why`` it has no effect here, and what would give it one (``instead``)."""
+    base = type(settings)()
+    for key, attr in keys:
+        if getattr(settings, attr) != getattr(base, attr):
+            raise ConfigError(f"run config '{key}' = {getattr(settings, attr)!r} {why}; allowed: its default {getattr(base, attr)!r}, or {instead}")
+
+
 def _check_robustness(cfg: RunConfig) -> None:
     """The robustness keys make sense only where updates are averaged, or scored (FedTOPS)."""
-    s, base = cfg.strategy, StrategySettings()
+    s = cfg.strategy
     if s.name not in AVERAGING_STRATEGIES:
-        for key, attr in (("strategy.aggregator", "aggregator"), ("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")):
-            if getattr(s, attr) != getattr(base, attr):
-                raise ConfigError(
-                    f"run config '{key}' = {getattr(s, attr)!r} acts on the average of client updates, which "
-                    f"'strategy.name' = {s.name!r} does not form; allowed: its default {getattr(base, attr)!r}, "
-                    f"or strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}"
-                )
+        _only_defaults(
+            s,
+            (("strategy.aggregator", "aggregator"), ("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")),
+            f"acts on the average of client updates, which 'strategy.name' = {s.name!r} does not form",
+            f"strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}",
+        )
     if s.name != "fedtops":
-        for key, attr in (("strategy.max-vetoes", "max_vetoes"), ("strategy.score-aggregate", "score_aggregate")):
-            if getattr(s, attr) != getattr(base, attr):
-                raise ConfigError(
-                    f"run config '{key}' = {getattr(s, attr)!r} acts on FedTOPS's score replies; allowed: its default "
-                    f"{getattr(base, attr)!r}, or strategy.name = 'fedtops'"
-                )
+        _only_defaults(
+            s,
+            (("strategy.max-vetoes", "max_vetoes"), ("strategy.score-aggregate", "score_aggregate")),
+            "acts on FedTOPS's score replies",
+            "strategy.name = 'fedtops'",
+        )
     if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
         raise ConfigError(
             f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "
@@ -206,23 +214,33 @@ def _check_robustness(cfg: RunConfig) -> None:
         )
 
 
-# The privacy keys besides privacy.clipping, as (run-config key, attribute).
+# The privacy keys besides privacy.clipping, as (run-config key, attribute); those of FedTOPS's
+# score channel; those that tune adaptive clipping.
 _PRIVACY_KEYS = tuple((k, p[1]) for k, (p, _) in _KEYS.items() if p[0] == "privacy" and k != "privacy.clipping")
+_SCORE_CHANNEL_KEYS = (
+    ("privacy.score-noise", "score_noise"),
+    ("privacy.teacher-score-max", "teacher_score_max"),
+    ("privacy.change-score-max", "change_score_max"),
+)
+_ADAPTIVE_KEYS = (
+    ("privacy.target-quantile", "target_quantile"),
+    ("privacy.clip-norm-lr", "clip_norm_lr"),
+    ("privacy.clipped-count-stddev", "clipped_count_stddev"),
+)
 
 
 def _check_privacy(cfg: RunConfig) -> None:
     """Differential privacy (docs/privacy.md) wraps the average of client updates: only where one
     is formed, by Flower's FedAvg mean (the sensitivity C/m assumes it), without the robustness
     settings that depend on the round's other updates; FedTOPS's K̂ clip must sit above δ."""
-    p, s, base = cfg.privacy, cfg.strategy, PrivacySettings()
+    p, s = cfg.privacy, cfg.strategy
     if p.clipping == "off":
-        for key, attr in _PRIVACY_KEYS:
-            if getattr(p, attr) != getattr(base, attr):
-                raise ConfigError(
-                    f"run config '{key}' = {getattr(p, attr)!r} has no effect while 'privacy.clipping' = 'off' "
-                    f"(no differential privacy); allowed: its default {getattr(base, attr)!r}, or "
-                    f"'privacy.clipping' one of 'fixed', 'adaptive'"
-                )
+        _only_defaults(
+            p,
+            _PRIVACY_KEYS,
+            "has no effect while 'privacy.clipping' = 'off' (no differential privacy)",
+            "'privacy.clipping' one of 'fixed', 'adaptive'",
+        )
         return
     what = f"'privacy.clipping' = {p.clipping!r}"
     if s.name not in AVERAGING_STRATEGIES:
@@ -231,28 +249,12 @@ def _check_privacy(cfg: RunConfig) -> None:
             f"does not release; allowed: strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}, "
             f"or 'privacy.clipping' = 'off'"
         )
-    inert = []
     if s.name != "fedtops":  # the score channel is FedTOPS's
-        inert += [
-            (k, a, f"acts on FedTOPS's score channel, which 'strategy.name' = {s.name!r} does not have", "strategy.name = 'fedtops'")
-            for k, a in (
-                ("privacy.score-noise", "score_noise"),
-                ("privacy.teacher-score-max", "teacher_score_max"),
-                ("privacy.change-score-max", "change_score_max"),
-            )
-        ]
+        _only_defaults(
+            p, _SCORE_CHANNEL_KEYS, f"acts on FedTOPS's score channel, which 'strategy.name' = {s.name!r} does not have", "strategy.name = 'fedtops'"
+        )
     if p.clipping != "adaptive":
-        inert += [
-            (k, a, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
-            for k, a in (
-                ("privacy.target-quantile", "target_quantile"),
-                ("privacy.clip-norm-lr", "clip_norm_lr"),
-                ("privacy.clipped-count-stddev", "clipped_count_stddev"),
-            )
-        ]
-    for key, attr, why, instead in inert:
-        if getattr(p, attr) != getattr(base, attr):
-            raise ConfigError(f"run config '{key}' = {getattr(p, attr)!r} {why}; allowed: its default {getattr(base, attr)!r}, or {instead}")
+        _only_defaults(p, _ADAPTIVE_KEYS, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
     if s.aggregator != "fedavg":
         raise ConfigError(
             f"run config 'strategy.aggregator' = {s.aggregator!r} cannot be combined with {what}: the noise is "
