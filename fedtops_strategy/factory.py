@@ -1,22 +1,27 @@
-"""Strategies by name: ``strategy.name`` looks its builder up in :data:`STRATEGIES`.
+"""Strategies by name: ``strategy.name`` looks its builder up in :data:`STRATEGIES`, and what it
+supports in :data:`CAPABILITIES`.
 
-A builder turns the validated ``strategy.*`` settings and the sampling arguments that every
-strategy shares (``common``: Flower's ``fraction_train``, ``min_train_nodes``, ...) into a
-Flower strategy built on :class:`~fedtops_strategy.screening.ReplyScreening`. A new variant is one
-builder registered under a new name; what its clients must do differently travels in its train
-messages' config (``learner``, ``build-scoring-cache``), never as its name::
+A builder turns the validated ``strategy.*`` settings and the arguments that every strategy shares
+(``common``: Flower's ``fraction_train``, ``min_train_nodes``, ..., and the server-side parts'
+settings of :class:`~fedtops_strategy.screening.ReplyScreening`: seed, bounds, averager,
+timeouts) into a strategy built on ``ReplyScreening``. A new variant is one builder registered
+under a new name, with a declaration of what it supports; what its clients must do differently
+travels in its train messages' config (``learner``, ``build-scoring-cache``), never as its name::
 
-    from fedtops_strategy.factory import register_strategy
+    from fedtops_strategy.factory import Capabilities, register_strategy
 
-    register_strategy("fedavgm-half", lambda cfg, common: FixedMultiplier(0.5, **common))
+    register_strategy("fedavgm-half", lambda cfg, common: FixedMultiplier(0.5, **common), Capabilities())
 
-``fedopd.config`` validates ``strategy.name`` against the names registered here.
+``fedopd.config`` validates ``strategy.name`` against the names registered here and reads the
+declaration to refuse settings a strategy does not support; the ServerApp reads it to run the
+score phase and to save per-client adapters; nothing looks at a strategy's class or name for that.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.serverapp.strategy import Strategy
@@ -29,6 +34,28 @@ from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
 StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a registered strategy supports (the defaults: an averaging strategy like FedAvg).
+
+    averages: it forms an average of client updates (``strategy.aggregator``, ``clip-norm``,
+        ``max-weight`` and ``privacy.*`` act on it);
+    score_phase: it has FedTOPS's score phase (``configure_score``/``aggregate_score``; the
+        ``strategy.max-vetoes``/``score-aggregate`` keys act on its score replies);
+    private: ``privacy.*`` can protect everything it releases (a variant whose score replies carry
+        more than Ĵ and K̂, unprotected, is not);
+    per_client_adapters: each client keeps its own adapter and there is no global one (Local);
+    scoring_cache: where its clients take the scoring cache from (``round``; ``untrained``: prompts
+        outside the round's batch, which the ServerApp checks the data for).
+    """
+
+    averages: bool = True
+    score_phase: bool = False
+    private: bool = True
+    per_client_adapters: bool = False
+    scoring_cache: str = "round"
 
 
 def _fedtops(cls: type[FedTOPS]) -> StrategyBuilder:
@@ -55,10 +82,30 @@ STRATEGIES: dict[str, StrategyBuilder] = {
 }
 
 
-def register_strategy(name: str, builder: StrategyBuilder) -> StrategyBuilder:
-    """Make ``strategy.name = name`` build ``builder(cfg, common)``; returns ``builder``."""
+_FEDTOPS = Capabilities(score_phase=True)
+CAPABILITIES: dict[str, Capabilities] = {
+    "fedavg": Capabilities(),
+    "fixed": Capabilities(),
+    "fedtops": _FEDTOPS,
+    # the standard errors of Ĵ_i travel unprotected: no privacy for this variant
+    "fedtops-se": Capabilities(score_phase=True, private=False),
+    "fedtops-heldout-cache": Capabilities(score_phase=True, scoring_cache="untrained"),
+    "local": Capabilities(averages=False, private=False, per_client_adapters=True),
+    "centralized": Capabilities(averages=False, private=False),
+}
+
+
+def register_strategy(name: str, builder: StrategyBuilder, capabilities: Capabilities | None = None) -> StrategyBuilder:
+    """Make ``strategy.name = name`` build ``builder(cfg, common)`` and declare what it supports
+    (default: an averaging strategy without a score phase); returns ``builder``."""
     STRATEGIES[name] = builder
+    CAPABILITIES[name] = capabilities or Capabilities()
     return builder
+
+
+def capabilities(name: str) -> Capabilities:
+    """What the strategy registered as ``name`` supports (a name registered without: the defaults)."""
+    return CAPABILITIES.get(name, Capabilities())
 
 
 def make_strategy(
@@ -68,6 +115,8 @@ def make_strategy(
     seed: int = 0,
     timeouts: TimeoutSettings | None = None,
     privacy: PrivacySettings | None = None,
+    max_examples: int | None = None,
+    num_partitions: int | None = -1,
 ) -> Strategy:
     """The strategy registered as ``strategy.name``.
 
@@ -77,23 +126,38 @@ def make_strategy(
     first round waits until ``num_clients`` nodes are connected. The draw of round t depends only
     on ``seed``, t and the connected node ids (:meth:`ReplyScreening.configure_train`).
 
-    The robustness settings (``strategy.aggregator``, ``clip-norm``, ``max-weight``; ``timeouts``'s
-    ``start`` and ``skip-after``) are set on every strategy built on ReplyScreening
-    (docs/robustness.md); ``timeouts`` None: no start deadline, no skipping. A reply's
-    ``partition-id`` must be below ``num_clients`` (``num_partitions``); the ServerApp also sets
-    ``max_examples``, the most ``num-examples`` a train reply may claim.
-
+    Every setting goes to the constructor (``common``): the robustness settings
+    (``strategy.aggregator``, ``clip-norm``, ``max-weight``; ``timeouts``'s ``start`` and
+    ``skip-after``; docs/robustness.md; ``timeouts`` None: no start deadline, no skipping), the
+    boundary's ranges (a reply's ``partition-id`` below ``num_partitions``, default
+    ``num_clients``, None: any >= 0; its ``num-examples`` at most ``max_examples``), and
     ``privacy`` with ``clipping`` on: the average is Flower's DP wrapper around an equal-weight
     FedAvg (:class:`fedtops_strategy.privacy.UpdatePrivacy`), sized for the round's sample.
     """
     if cfg.name not in STRATEGIES:
         allowed = ", ".join(repr(n) for n in STRATEGIES)
         raise ValueError(f"strategy.name = {cfg.name!r}; allowed: {allowed}")
+    min_train = min(cfg.min_train_clients, num_clients)
+    update_privacy = None
+    if privacy is not None and privacy.clipping != "off":
+        from fedtops_strategy.privacy import UpdatePrivacy
+
+        sampled = max(int(cfg.fraction_train * num_clients), min_train)
+        update_privacy = UpdatePrivacy(privacy, num_sampled=sampled, population=num_clients)
     common = dict(
         fraction_train=cfg.fraction_train,
         fraction_evaluate=0.0,  # no federated evaluation round: held-out evaluation is the app's own phase
-        min_train_nodes=min(cfg.min_train_clients, num_clients),
+        min_train_nodes=min_train,
         min_available_nodes=num_clients,
+        sampling_seed=seed,
+        num_partitions=num_clients if num_partitions == -1 else num_partitions,
+        max_examples=max_examples,
+        clip_norm=cfg.clip_norm,
+        max_weight=cfg.max_weight,
+        aggregator=make_aggregator(cfg),
+        privacy=update_privacy,
+        start_timeout=timeouts.start if timeouts is not None else float("inf"),
+        skip_after=timeouts.skip_after if timeouts is not None else 0,
     )
     # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design,
     # so the warning is not passed on.
@@ -101,18 +165,6 @@ def make_strategy(
     level = flwr_logger.level
     flwr_logger.setLevel(logging.ERROR)
     try:
-        strategy = STRATEGIES[cfg.name](cfg, common)
-        strategy.sampling_seed = seed
-        strategy.num_partitions = num_clients  # a reply's partition-id is in [0, num_clients) (fedtops_strategy/schema.py)
-        strategy.aggregator = make_aggregator(cfg)
-        strategy.clip_norm, strategy.max_weight = cfg.clip_norm, cfg.max_weight
-        if timeouts is not None:
-            strategy.start_timeout, strategy.skip_after = timeouts.start, timeouts.skip_after
-        if privacy is not None and privacy.clipping != "off":
-            from fedtops_strategy.privacy import UpdatePrivacy
-
-            sampled = max(int(cfg.fraction_train * num_clients), common["min_train_nodes"])
-            strategy.privacy = UpdatePrivacy(privacy, num_sampled=sampled, population=num_clients)
-        return strategy
+        return STRATEGIES[cfg.name](cfg, common)
     finally:
         flwr_logger.setLevel(level)

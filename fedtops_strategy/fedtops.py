@@ -43,10 +43,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.models import lora
-from fedtops_strategy.bounds import all_finite
-from fedtops_strategy.schema import WEIGHT_KEY
-from fedtops_strategy.screening import ReplyScreening, missing_replies, reply_nodes
+from fedtops_strategy.replies import SCORE_NEGATIVE_TOL, Expected, ScoreReply, parse_score
+from fedtops_strategy.screening import ReplyScreening, parse_replies
 from fedtops_strategy.selection import select_round, vetoes
+
+__all__ = ["DEFAULT_CANDIDATES", "SCORE_MESSAGE_TYPE", "SCORE_NEGATIVE_TOL", "FedTOPS", "parse_score_reply"]
 
 SCORE_MESSAGE_TYPE = "query.score"
 DEFAULT_CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
@@ -115,16 +116,18 @@ class FedTOPS(ReplyScreening, FedAvg):
         super().summary()
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """FedAvg on the screened replies; keeps Δ_t (:attr:`increment`) for the score phase.
-
-        Returns FedAvg's θ_t + Δ_t, which :meth:`aggregate_score` replaces by θ_t + a_t Δ_t.
+        """The round's average (:meth:`average_round`); keeps Δ_t = average − θ_t as :attr:`increment`
+        for the score phase. Returns the average (θ_t + Δ_t), which :meth:`aggregate_score`
+        replaces by θ_t + a_t Δ_t; None (the round holds) when nothing was averaged.
         """
-        mean, metrics = super().aggregate_train(server_round, replies)
+        mean = self.average_round(server_round, replies)
         self.increment = None
-        if mean is not None:
-            delta = lora.increment(lora.from_record(mean), self.theta_arrays())
-            self.increment = ArrayRecord({k: Array(d) for k, d in delta.items()})
-        return mean, metrics
+        if mean is None:
+            self.apply_multiplier(server_round, 0.0)
+            return None, None
+        delta = lora.increment(mean, self.theta_arrays())
+        self.increment = ArrayRecord({k: Array(d) for k, d in delta.items()})
+        return ArrayRecord({k: Array(np.asarray(v)) for k, v in mean.items()}), None
 
     def configure_score(self, server_round: int, increment: ArrayRecord, grid: Grid) -> Iterable[Message]:
         """The ``query.score`` messages: Δ_t and the candidates, to every client whose update is
@@ -137,29 +140,29 @@ class FedTOPS(ReplyScreening, FedAvg):
                 "config": ConfigRecord({"candidates": list(self.candidates), "server-round": server_round, **self.score_config}),
             }
         )
-        nodes = [c["node-id"] for c in self.records[server_round]["clients"]]
+        nodes = [r.node_id for r in self.kept]
         self._score_sent = [Message(content=content, message_type=SCORE_MESSAGE_TYPE, dst_node_id=n) for n in nodes]
         return self._score_sent
 
     def aggregate_score(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Select a_t from the valid score replies; return θ_{t+1} = θ_t + a_t Δ_t and (a_t, Ĵ)."""
         record = self.records[server_round]
-        nodes = [c["node-id"] for c in record["clients"]]
-        replies = list(replies)
-        scores = self._valid_scores(server_round, replies, nodes)
-        if self.privacy is not None and scores:
+        nodes = [r.node_id for r in self.kept]
+        scored = self._valid_scores(server_round, replies, nodes)
+        rows = [(s.node_id, s.teacher_scores, s.change_scores) for s in scored]
+        if self.privacy is not None and rows:
             # The scores as released (clipped, noised: docs/privacy.md); the selection is post-processing.
-            scores, released = self.privacy.release_scores(scores, np.random.default_rng(), server_round)
+            rows, released = self.privacy.release_scores(rows, np.random.default_rng(), server_round)
             record.setdefault("privacy", {}).update({**released, **self.privacy.ledger.summary()})
         record["score_seconds"] = time.perf_counter() - self._score_started
         record["candidates"] = list(self.candidates)
-        record["scored-node-ids"] = [node for node, _, _ in scores]
-        change_scores = [k for _, _, k in scores]
-        client_teacher_scores = [j for _, j, _ in scores]
+        record["scored-node-ids"] = [node for node, _, _ in rows]
+        change_scores = [k for _, _, k in rows]
+        client_teacher_scores = [j for _, j, _ in rows]
         record["change_scores"] = [_finite_or_none(k) for k in change_scores]
         record["client_teacher_scores"] = [_finite_or_none(j) for j in client_teacher_scores]
-        scored = set(record["scored-node-ids"])
-        record["unscored-node-ids"] = [n for n in nodes if n not in scored]
+        answered = set(record["scored-node-ids"])
+        record["unscored-node-ids"] = [n for n in nodes if n not in answered]
         veto = vetoes(change_scores, self.trust_budget, len(self.candidates), self.feasibility_tol)
         record["veto-counts"] = [sum(row) for row in veto]
 
@@ -167,7 +170,7 @@ class FedTOPS(ReplyScreening, FedAvg):
             self.candidates,
             client_teacher_scores,
             change_scores,
-            [self.client_weights[node] for node, _, _ in scores],  # the weights of the train replies
+            [self.client_weights[node] for node, _, _ in rows],  # the weights of the train replies
             self.trust_budget,
             all_scored=not record["unscored-node-ids"],
             score_tol=self.score_tol,
@@ -201,98 +204,37 @@ class FedTOPS(ReplyScreening, FedAvg):
         record["num-feasible"] = selection.num_feasible
         record["selected-multiplier"] = selection.selected
         record["multiplier-cap"] = selection.cap
-        record["multiplier"] = self.refine(server_round, selection, replies)
+        new = self.apply_multiplier(server_round, self.refine(server_round, selection, scored))
+        metrics = MetricRecord({"multiplier": record["multiplier"], "num-feasible": selection.num_feasible})
+        return new, metrics
 
-        multiplier = record["multiplier"]
-        new = lora.apply_increment(self.theta_arrays(), lora.from_record(self._scored_increment), multiplier)
-        if not all_finite(new):
-            log(WARNING, "round %d holds: θ_t + %g Δ_t is not finite (θ_t kept)", server_round, multiplier)
-            record["hold-reason"] = f"θ_t + {multiplier:g} Δ_t is not finite"
-            record["multiplier"] = multiplier = 0.0
-            new = self.theta_arrays()
-        self.record_aggregation_error(server_round, multiplier)
-        metrics = MetricRecord({"multiplier": multiplier, "num-feasible": selection.num_feasible})
-        return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
-
-    def refine(self, server_round: int, selection, replies: list[Message]) -> float:
+    def refine(self, server_round: int, selection, scored: list[ScoreReply]) -> float:
         """The round's a from the rule's ``selection`` (a variant may change it); the paper: as selected."""
         return selection.multiplier
 
-    def _valid_scores(self, server_round: int, replies: list[Message], nodes: list[int]) -> list[tuple[int, list[float], list[float]]]:
-        """(node, Ĵ_i, K̂_i) of every valid score reply from a node that was asked, in the order of
-        ``nodes``; the others, and the clients that did not answer, go to the round's ``excluded``."""
+    def _valid_scores(self, server_round: int, replies: Iterable[Message], nodes: list[int]) -> list[ScoreReply]:
+        """The checked score replies (:func:`fedtops_strategy.replies.parse_score`) of the nodes
+        that were asked, in the order of ``nodes``; the others, and the clients that did not
+        answer, go to the round's ``excluded``."""
         excluded = self.records[server_round]["excluded"]
-        missing = missing_replies(self._score_sent, replies, "score")
+        expected = Expected(num_candidates=len(self.candidates))
+        scored, rejected, missing = parse_replies(self._score_sent, replies, parse_score, expected, "score")
         excluded.extend(missing)
         self.note_timeouts(server_round, nodes, [e["node-id"] for e in missing])
-        answers, seen = [], set()
-        for msg, node in zip(replies, reply_nodes(self._score_sent, replies)):
-            problem, parsed = parse_score_reply(msg, len(self.candidates))
-            if not problem and (node not in self.client_weights or node in seen):
-                problem = "a second reply" if node in seen else "from a node that was not asked"
-            if problem:
-                log(WARNING, "round %d: score reply of node %d ignored: %s", server_round, node, problem)
-                excluded.append({"node-id": node, "reason": f"score: {problem}"})
-                continue
-            seen.add(node)
-            answers.append((node, *parsed))
+        for r in rejected:
+            log(WARNING, "round %d: score reply of node %d ignored: %s", server_round, r.node_id, r.reason)
+            excluded.append(r.entry("score: "))
         order = {n: i for i, n in enumerate(nodes)}
-        return sorted(answers, key=lambda a: order.get(a[0], len(order)))
-
-
-# A KL is never negative, but two numerically identical distributions can give -1e-9 in fp32.
-# Values down to -SCORE_NEGATIVE_TOL are rounding and are clamped to 0; below that a reply is wrong.
-SCORE_NEGATIVE_TOL = 1e-6
-
-
-def clamp_scores(values: Sequence[float]) -> tuple[list[float] | None, str | None]:
-    """(values clamped at 0, None), or (None, the problem) for a value that is not a number or is
-    clearly negative. NaN and ±inf pass through as inf: that candidate is infeasible for the client
-    (:func:`parse_score_reply`)."""
-    out = []
-    for x in values:
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            return None, f"score {x!r} is not a number"
-        if not math.isfinite(x):
-            out.append(math.inf)
-            continue
-        if x < -SCORE_NEGATIVE_TOL:
-            return None, f"score {x!r} is negative beyond rounding (tolerance {SCORE_NEGATIVE_TOL:g}); a KL is >= 0"
-        out.append(max(float(x), 0.0))
-    return out, None
+        return sorted(scored, key=lambda s: order.get(s.node_id, len(order)))
 
 
 def parse_score_reply(msg: Message, num_candidates: int):
-    """(problem, (teacher_scores, change_scores)) of one score reply.
-
-    Scores are KL divergences: rounding-level negatives (>= -1e-6) are clamped to 0, so that a
-    client whose candidate equals its starting student is never dropped; clearly negative values
-    make the reply invalid. A NaN or ±inf Ĵ_i(a) or K̂_i(a) makes candidate a infeasible for this
-    client (both become inf) and the client still counts as scored. The reply's own weight is not
-    read: Ĵ is weighted by the client's train reply.
-    """
-    if msg.has_error():
-        return f"error reply: {msg.error.reason}", None
-    records = list(msg.content.metric_records.values())
-    if len(records) != 1:
-        return "expected one MetricRecord", None
-    m: MetricRecord = records[0]
-    j, k = m.get("teacher-scores"), m.get("change-scores")
-    if not isinstance(j, list) or not isinstance(k, list) or len(j) != num_candidates or len(k) != num_candidates:
-        return f"expected {num_candidates} teacher and change scores", None
-    w = m.get(WEIGHT_KEY)
-    if w is not None and not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0 and float(w).is_integer()):
-        return f"'{WEIGHT_KEY}' is {w!r}: expected a positive integer (or none: Ĵ is weighted by the train reply)", None
-    j, problem = clamp_scores(list(j))
-    if problem:
-        return f"teacher scores: {problem}", None
-    k, problem = clamp_scores(list(k))
-    if problem:
-        return f"change scores: {problem}", None
-    for a in range(num_candidates):
-        if math.isinf(j[a]) or math.isinf(k[a]):
-            j[a] = k[a] = math.inf
-    return None, (j, k)
+    """(problem, (teacher_scores, change_scores)) of one score reply, through the boundary
+    (:func:`fedtops_strategy.replies.parse_score`, which says what is checked)."""
+    result = parse_score(msg, int(msg.metadata.src_node_id), Expected(num_candidates=num_candidates))
+    if isinstance(result, ScoreReply):
+        return None, (result.teacher_scores, result.change_scores)
+    return result.reason, None
 
 
 def _finite_or_none(values: Sequence[float] | None) -> list[float | None] | None:

@@ -19,13 +19,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from flwr.app import Message
-
 from fedtops_strategy.fedtops import FedTOPS
-from fedtops_strategy.screening import reply_nodes
+from fedtops_strategy.replies import SCORE_SE, ScoreReply
 from fedtops_strategy.selection import feasible_indices
 
-SE_KEY = "teacher-score-se"
+SE_KEY = SCORE_SE
 
 
 def combined_se(errors: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
@@ -48,30 +46,18 @@ def smallest_clear_step(candidates: Sequence[float], teacher: Sequence[float], s
     return candidates[current]
 
 
-def parse_errors(msg: Message, num_candidates: int) -> list[float] | None:
-    """A score reply's standard errors: k numbers >= 0 (inf allowed), or None."""
-    if msg.has_error() or len(msg.content.metric_records) != 1:
-        return None
-    values = next(iter(msg.content.metric_records.values())).get(SE_KEY)
-    if not isinstance(values, list) or len(values) != num_candidates:
-        return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0) for v in values):
-        return None  # NaN fails v >= 0
-    return [float(v) for v in values]
-
-
 class FedTOPSStandardError(FedTOPS):
     """FedTOPS with the standard-error walk (module docstring)."""
 
     strategy_name = "fedtops-se"
     score_config = {"score-se": True}
 
-    def refine(self, server_round: int, selection, replies: list[Message]) -> float:
+    def refine(self, server_round: int, selection, scored: list[ScoreReply]) -> float:
         record = self.records[server_round]
         a = selection.multiplier
         if a == 0.0 or selection.fallback or not record.get("scored-node-ids"):
             return a
-        errors = dict(zip(reply_nodes(self._score_sent, replies), (parse_errors(m, len(self.candidates)) for m in replies)))
+        errors = {s.node_id: s.se for s in scored}  # checked at the boundary (replies.parse_score): None when invalid
         scored = record["scored-node-ids"]
         rows = [errors.get(n) or [math.inf] * len(self.candidates) for n in scored]
         se = combined_se(rows, [self.client_weights[n] for n in scored])

@@ -1,12 +1,18 @@
-"""FedAvg and the fixed multiplier, with FedTOPS's reply screening and round records.
+"""FedAvg and the fixed multiplier, on the server side shared by every strategy (screening.py).
 
-A fixed multiplier a is Flower's own FedAvgM with ``server_learning_rate = a`` and no momentum:
-θ_{t+1} = θ_t − a(θ_t − θ̄_t) = θ_t + aΔ_t. Nothing new is implemented here.
+Both average the checked updates (Flower's FedAvg mean, or the robust or private average) and
+move θ_{t+1} = θ_t + aΔ_t in the one place every strategy uses
+(:meth:`~fedtops_strategy.screening.ReplyScreening.apply_multiplier`): a = 1 for FedAvg, a
+constant for the fixed multiplier. That is the update of Flower's FedAvgM with
+``server_learning_rate = a`` and no momentum, without FedAvgM's own copy of the model between
+rounds (a round that holds must not leave a non-finite model behind).
 """
 
 from __future__ import annotations
 
-from flwr.serverapp.strategy import FedAvg, FedAvgM
+import math
+
+from flwr.serverapp.strategy import FedAvg
 
 from fedtops_strategy.screening import ReplyScreening
 
@@ -17,14 +23,17 @@ class LoRAFedAvg(ReplyScreening, FedAvg):
     strategy_name = "fedavg"
 
 
-class FixedMultiplier(ReplyScreening, FedAvgM):
-    """θ_{t+1} = θ_t + aΔ_t for a constant a (FedAvgM, ``server_momentum = 0``)."""
+class FixedMultiplier(ReplyScreening, FedAvg):
+    """θ_{t+1} = θ_t + aΔ_t for a constant a >= 0."""
 
     strategy_name = "fixed"
 
     def __init__(self, multiplier: float, **kwargs) -> None:
-        super().__init__(server_learning_rate=float(multiplier), server_momentum=0.0, **kwargs)
+        if not (math.isfinite(multiplier) and multiplier >= 0):
+            raise ValueError(f"the fixed multiplier must be a finite number >= 0, got {multiplier!r}")
+        super().__init__(**kwargs)
+        self.multiplier = float(multiplier)
 
     @property
     def default_multiplier(self) -> float:
-        return self.server_learning_rate
+        return self.multiplier

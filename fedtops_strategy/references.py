@@ -15,11 +15,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg
 
-from fedopd.models.lora import Named, from_record
+from fedopd.models.lora import Named
+from fedtops_strategy.replies import Rejection
 from fedtops_strategy.screening import ReplyScreening
 
 POOLED_CLIENTS = "pooled-clients"  # Centralized's train config: whose rollouts per round it takes
@@ -48,12 +52,32 @@ class LocalTraining(ReplyScreening, FedAvg):
         return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node, group_id=message.metadata.group_id)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Keep each checked reply's adapter as its client's. A partition belongs to the first node
+        that claimed it: another node's later claim of it is refused (it would replace that
+        client's adapter), and so is a node's claim of a second partition."""
         kept = self.screen_train_replies(server_round, replies)
-        for msg, client in zip(kept, self.records[server_round]["clients"]):
-            node = int(msg.metadata.src_node_id)
-            self.client_arrays[node] = next(iter(msg.content.array_records.values()))
-            self.partitions[node] = int(client.get("partition-id", node))
-        self.records[server_round]["multiplier"] = None
+        record = self.records[server_round]
+        owners = {p: n for n, p in self.partitions.items()}
+        accepted = []
+        for reply in kept:
+            partition = reply.partition_id if reply.partition_id is not None else reply.node_id
+            owner = owners.get(partition, reply.node_id)
+            if owner != reply.node_id or self.partitions.get(reply.node_id, partition) != partition:
+                why = (
+                    f"'partition-id' {partition} belongs to node {owner}"
+                    if owner != reply.node_id
+                    else f"node {reply.node_id} trains partition {self.partitions[reply.node_id]}, not {partition}"
+                )
+                rejection = Rejection(reply.node_id, why)
+                log(WARNING, "round %d: update of node %d left out: %s", server_round, reply.node_id, why)
+                record["excluded"].append(rejection.entry())
+                continue
+            accepted.append(reply)
+            self.partitions[reply.node_id] = partition
+            self.client_arrays[reply.node_id] = ArrayRecord({k: Array(np.asarray(v)) for k, v in reply.arrays.items()})
+        record["clients"] = [r.client_entry() for r in accepted]
+        record["trained-node-ids"] = sorted(r.node_id for r in accepted)
+        record["multiplier"] = None
         return None, None  # no global adapter: Flower keeps the initial one, which nobody uses
 
     def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
@@ -61,7 +85,7 @@ class LocalTraining(ReplyScreening, FedAvg):
 
     def client_adapters(self) -> dict[int, Named]:
         """Partition id -> that client's latest adapter (named fp32 arrays)."""
-        return {self.partitions[n]: from_record(a) for n, a in sorted(self.client_arrays.items())}
+        return {self.partitions[n]: {k: v.numpy() for k, v in a.items()} for n, a in sorted(self.client_arrays.items())}
 
 
 class Centralized(ReplyScreening, FedAvg):
@@ -70,6 +94,17 @@ class Centralized(ReplyScreening, FedAvg):
     strategy_name = "centralized"
     learner = "centralized"
     averages_factors = False  # one learner: nothing is averaged
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """The one learner's checked adapter is the global one (a = 1); none: the round holds."""
+        kept = self.screen_train_replies(server_round, replies)
+        record = self.records[server_round]
+        if not kept:
+            record.update({"multiplier": 0.0, "hold-reason": "no valid client update"})
+            return None, None
+        self.client_weights = {kept[0].node_id: 1.0}
+        record["multiplier"] = 1.0
+        return ArrayRecord({k: Array(np.asarray(v)) for k, v in kept[0].arrays.items()}), None
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """One train message, to the sampled node with the smallest id; its config asks for the

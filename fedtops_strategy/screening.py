@@ -1,15 +1,22 @@
-"""What the three strategies share: screening train replies and recording each round.
+"""The server side every strategy shares, built from parts with one job each.
 
-A train reply joins the average only if it carries one ArrayRecord with exactly the keys and
-shapes of θ_t, finite values, and metrics that pass the train schema
-(:mod:`fedtops_strategy.schema`). Anything else is left out and logged, and never reaches the
-global adapter. The kept updates may then be bounded (:mod:`fedtops_strategy.bounds`) and are
-averaged by the strategy's own Flower FedAvg or by Flower's robust aggregator
-(:mod:`fedtops_strategy.aggregators`); an average that is not finite holds the round. Each
-round leaves a record (``self.records``) that the ServerApp writes to ``rounds.jsonl``.
+A round's train phase, in order:
 
-Nodes that stop answering are skipped for a while (``timeout.skip-after``), and a round that
-waits for nodes to connect gives up after ``timeout.start`` (:class:`NodesNotConnected`).
+1. **sampling** (:mod:`fedtops_strategy.sampling`): a seeded draw over the sorted connected nodes,
+   without those that sit out after staying silent (``timeout.skip-after``, every phase counted),
+   with a deadline on waiting for them (``timeout.start``, :class:`NodesNotConnected`);
+2. **the boundary** (:mod:`fedtops_strategy.replies`): each reply becomes a typed
+   :class:`~fedtops_strategy.replies.TrainReply` or a rejection naming the node and the reason;
+   two replies that claim one partition are both refused; the averager may refuse more
+   (privacy: an update longer than the C it was sent);
+3. **update bounds** (:mod:`fedtops_strategy.bounds`, ``strategy.clip-norm``, ``strategy.max-weight``);
+4. **the average** (:mod:`fedtops_strategy.averaging`): the weighted mean, a Flower robust
+   aggregator or the DP mean, behind one interface;
+5. **the step** θ_{t+1} = θ_t + a·Δ_t, Δ_t = average − θ_t, applied in one place
+   (:meth:`ReplyScreening.apply_multiplier`) from θ_t; a non-finite result holds the round
+   (θ_t kept). No strategy keeps a model of its own between rounds.
+
+Each round leaves a record (``self.records``) that the ServerApp writes to ``rounds.jsonl``.
 
 What a client does differently for a strategy travels in the train message's config, never as
 the strategy's name (``client_app/handlers.py`` reads it):
@@ -24,159 +31,135 @@ the strategy's name (``client_app/handlers.py`` reads it):
 
 from __future__ import annotations
 
-import copy
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from logging import WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
-from flwr.serverapp.strategy import Krum, MultiKrum
 
-from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_gram, check_compatible, from_record
+from fedopd.models import lora
+from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_gram, from_record
+from fedtops_strategy.averaging import Average, PrivateMean, RobustMean, Update, WeightedMean
 from fedtops_strategy.bounds import all_finite, capped_weights, clip_scales, clipped, update_norm
-from fedtops_strategy.schema import WEIGHT_KEY, train_metrics_problem
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, Rejection, TrainReply, parse_train, refuse_shared_partitions
+from fedtops_strategy.sampling import NodesNotConnected, Silence, SortedNodes, missing_replies, reply_nodes
+
+__all__ = ["WEIGHT_KEY", "NodesNotConnected", "ReplyScreening", "missing_replies", "parse_replies", "reply_nodes"]
 
 
-def reply_problem(content, reference: ArrayRecord, num_partitions: int | None = None, max_examples: int | None = None) -> str | None:
-    """Why a train reply cannot be averaged with θ_t (``reference``), or None: its arrays, and its
-    metrics against the train schema (:func:`fedtops_strategy.schema.train_metrics_problem`)."""
-    if len(content.array_records) != 1 or len(content.metric_records) != 1:
-        return f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} and {len(content.metric_records)}"
-    arrays = next(iter(content.array_records.values()))
-    if list(arrays.keys()) != list(reference.keys()):
-        return "its array keys differ from the global adapter's"
-    try:
-        problem = check_compatible(from_record(reference), from_record(arrays))
-    except Exception as err:  # noqa: BLE001 - undecodable arrays are just another bad reply
-        return f"its arrays cannot be decoded ({err})"
-    if problem:
-        return problem
-    return train_metrics_problem(dict(next(iter(content.metric_records.values())).items()), num_partitions, max_examples)
-
-
-def aggregation_view(
-    message: Message, arrays: ArrayRecord | None = None, weight: float | None = None, extra: dict[str, Any] | None = None
-) -> Message:
-    """A screened train reply as Flower's aggregation sees it: its one ArrayRecord (or ``arrays``,
-    bounded) in a record of its own (Flower's FedMedian pops from it) and only the weight (or
-    ``weight``, capped). A client's other metrics (a newer client's extra key, a list) can then
-    never trip Flower's ``validate_message_reply_consistency``; they stay in the round record.
-    ``extra``: metrics the aggregation needs besides the weight (Flower's adaptive clipping: the norm bit)."""
-    if arrays is None:
-        arrays = next(iter(message.content.array_records.values()))
-    if weight is None:
-        weight = next(iter(message.content.metric_records.values()))[WEIGHT_KEY]
-    content = RecordDict({"arrays": ArrayRecord(dict(arrays.items())), "metrics": MetricRecord({WEIGHT_KEY: weight, **(extra or {})})})
-    return Message(content=content, metadata=copy.copy(message.metadata))
-
-
-class NodesNotConnected(RuntimeError):
-    """A round waited ``timeout.start`` seconds for the nodes it needs; the message says how many it saw."""
-
-
-def client_metrics(message: Message) -> dict[str, Any]:
-    """The metrics of a train reply as a plain dict, with its node id."""
-    metrics = next(iter(message.content.metric_records.values()))
-    out: dict[str, Any] = {"node-id": int(message.metadata.src_node_id)}
-    out.update({k: (list(v) if isinstance(v, list) else v) for k, v in metrics.items()})
-    return out
-
-
-def reply_nodes(sent: Sequence[Message], replies: Sequence[Message]) -> list[int]:
-    """The node each reply answers for: its sender, or, for an error reply that the SuperLink
-    wrote for a node it lost (sender: the SuperLink), the node the original message went to."""
-    destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent}
-    return [destination.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id)) for r in replies]
-
-
-def missing_replies(sent: Sequence[Message], replies: Sequence[Message], phase: str) -> list[dict[str, Any]]:
-    """``excluded`` entries for the messages in ``sent`` that got no reply (in time) in ``phase``."""
-    answered = {r.metadata.reply_to_message_id for r in replies}
-    out = []
-    for m in sent:
-        if m.metadata.message_id not in answered:
-            node = int(m.metadata.dst_node_id)
-            log(WARNING, "%s: node %d did not reply in time; left out of this round", phase, node)
-            out.append({"node-id": node, "reason": f"{phase}: no reply before the timeout"})
-    return out
-
-
-class _SortedNodes:
-    """A view of a Grid whose ``get_node_ids`` is sorted (Flower samples from that list's order),
-    without the ``skipped`` nodes while enough others are connected (``needed``), and that raises
-    :class:`NodesNotConnected` once it has been asked for longer than ``deadline`` seconds with
-    fewer than ``needed`` nodes (Flower's ``sample_nodes`` asks every second and otherwise waits
-    forever)."""
-
-    def __init__(self, grid, needed: int = 0, deadline: float = float("inf"), skipped: frozenset[int] = frozenset(), server_round: int = 0) -> None:
-        self._grid = grid
-        self.needed, self.deadline, self.skipped, self.server_round = needed, deadline, skipped, server_round
-        self.started = time.monotonic()
-        self.left_out: list[int] = []  # the skipped nodes this view last left out
-
-    def get_node_ids(self) -> list[int]:
-        nodes = sorted(int(n) for n in self._grid.get_node_ids())
-        eligible = [n for n in nodes if n not in self.skipped]
-        if len(eligible) < self.needed:  # too few without them: a skipped node is better than a stalled round
-            eligible = nodes
-        self.left_out = sorted(set(nodes) - set(eligible))
-        waited = time.monotonic() - self.started
-        if len(eligible) < self.needed and waited > self.deadline:
-            raise NodesNotConnected(
-                f"round {self.server_round} waited {waited:.0f} s (timeout.start = {self.deadline:g}) for {self.needed} connected "
-                f"node(s) and saw {len(nodes)}" + (f" ({', '.join(map(str, nodes))})" if nodes else "")
-            )
-        return eligible
-
-    def __getattr__(self, name: str):
-        return getattr(self._grid, name)
+def parse_replies(sent: list[Message], replies: Iterable[Message], parse, expected: Expected, phase: str):
+    """(typed replies, rejections, ``excluded`` entries of the nodes that did not answer in time)
+    of one phase: each reply through ``parse`` (the boundary), attributed to the node its message
+    went to; a reply from a node that was not asked, or a second one, is a rejection too."""
+    replies = list(replies)
+    missing = missing_replies(sent, replies, phase)
+    asked = {int(m.metadata.dst_node_id) for m in sent}
+    typed, rejected, seen = [], [], set()
+    for msg, node in zip(replies, reply_nodes(sent, replies)):
+        if node not in asked or node in seen:
+            rejected.append(Rejection(node, "a second reply" if node in seen else "from a node that was not asked"))
+            continue
+        seen.add(node)
+        result = parse(msg, node, expected)
+        (rejected if isinstance(result, Rejection) else typed).append(result)
+    return typed, rejected, missing
 
 
 class ReplyScreening:
-    """Mixin for a Flower ``FedAvg`` subclass: screens train replies, records rounds.
+    """Mixin for a Flower ``FedAvg`` subclass (it comes first in the bases): samples, checks and
+    averages train replies through the parts in the module docstring, applies the step and
+    records the round. Flower's ``FedAvg`` contributes its sampling (``configure_train``) only.
 
-    Must come before the Flower strategy in the bases. Subclasses set :attr:`strategy_name`
-    (the round record's ``strategy``), :attr:`learner` and :attr:`builds_scoring_cache` (the
-    train config's ``learner`` and ``build-scoring-cache``), and may fill more of
-    ``self.records[server_round]``.
+    Subclasses set :attr:`strategy_name` (the round record's ``strategy``), :attr:`learner` and
+    :attr:`builds_scoring_cache` (the train config's ``learner`` and ``build-scoring-cache``), and
+    may fill more of ``self.records[server_round]``.
+
+    Parameters (keyword-only; the rest go to Flower's FedAvg)
+    ----------
+    sampling_seed : int
+        The run's seed: which nodes round t samples.
+    num_partitions, max_examples : int | None
+        A reply's ``partition-id`` is in [0, num_partitions); its ``num-examples`` at most max_examples (None: no bound).
+    clip_norm, max_weight : float
+        ``strategy.clip-norm``, ``strategy.max-weight`` (0: off).
+    aggregator : Flower strategy | None
+        ``strategy.aggregator`` other than ``fedavg``: the robust average (:class:`RobustMean`).
+    privacy : :class:`fedtops_strategy.privacy.UpdatePrivacy` | None
+        ``privacy.*``: the DP average (:class:`PrivateMean`).
+    start_timeout, skip_after : float, int
+        ``timeout.start`` and ``timeout.skip-after``.
     """
 
     strategy_name = "fedavg"
     learner = "federated"
     builds_scoring_cache = False
     averages_factors = True  # records the aggregation error of averaging the LoRA factors
-    sampling_seed = 0  # the run's seed (make_strategy): which nodes round t samples
-    num_partitions: int | None = None  # partition ids a reply may carry: [0, n) (make_strategy); None: any >= 0
-    max_examples: int | None = None  # the most num-examples a train reply may claim (make_strategy); None: no bound
-    # Robustness (make_strategy sets them from strategy.* and timeout.*; these defaults are the paper's)
-    clip_norm = 0.0  # 0 = off; c: updates scaled to at most c × the round's median norm
-    max_weight = 0.0  # 0 = off; c: weights cut to at most c × the round's median
-    aggregator = None  # a Flower strategy whose aggregate_train averages (None: this strategy's own FedAvg)
-    privacy = None  # fedtops_strategy.privacy.UpdatePrivacy: Flower's DP wrapper averages instead (privacy.*)
     scoring_cache = "round"  # where clients take the scoring cache's rollouts from (a variant: "untrained")
-    start_timeout = float("inf")  # seconds a round waits for the nodes it needs
-    skip_after = 0  # consecutive timed-out rounds after which a node sits out as many rounds (0: never)
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        sampling_seed: int = 0,
+        num_partitions: int | None = None,
+        max_examples: int | None = None,
+        clip_norm: float = 0.0,
+        max_weight: float = 0.0,
+        aggregator=None,
+        privacy=None,
+        start_timeout: float = float("inf"),
+        skip_after: int = 0,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.sampling_seed = sampling_seed
+        self.num_partitions, self.max_examples = num_partitions, max_examples
+        self.clip_norm, self.max_weight = float(clip_norm), float(max_weight)
+        self.aggregator, self.privacy = aggregator, privacy
+        self.averager = PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator) if aggregator is not None else WeightedMean())
+        self.start_timeout = start_timeout
+        self.silence = Silence(skip_after)
         self.records: dict[int, dict[str, Any]] = {}
         self._theta: ArrayRecord | None = None
+        self._theta_named: Named | None = None
         self._sent: list[Message] = []
         self.round_started = 0.0
         self.first_round: int | None = None  # the first round this strategy configured
         self.sampled_node_ids: list[int] = []  # the nodes the current round's train messages went to
+        self.skipped_node_ids: list[int] = []
+        self.kept: list[TrainReply] = []  # the round's checked train replies, in the record's order
+        self.mean: Named | None = None  # the round's average (None: nothing averaged)
         self._aggregation: tuple[np.ndarray, list[float]] | None = None  # the round's aggregation Gram matrix and client weights
         self.client_weights: dict[int, float] = {}  # node -> its weight in the round's average (Ĵ uses the same)
-        self.timeouts: dict[int, int] = {}  # node -> consecutive rounds in which it did not answer in time
-        self._timed_out_in: dict[int, int] = {}  # node -> the last round it was counted as timed out in
-        self.skipped_until: dict[int, int] = {}  # node -> the last round it sits out
 
+    # -- silence (every phase) ---------------------------------------------------------------------
+    @property
+    def skip_after(self) -> int:
+        return self.silence.skip_after
+
+    @property
+    def skipped_until(self) -> dict[int, int]:
+        return self.silence.skipped_until
+
+    @property
+    def timeouts(self) -> dict[int, int]:
+        return self.silence.counts
+
+    def sitting_out(self, server_round: int) -> frozenset[int]:
+        """The nodes that sit out ``server_round`` (``timeout.skip-after``)."""
+        return self.silence.sitting_out(server_round)
+
+    def note_timeouts(self, server_round: int, asked: Iterable[int], timed_out: Iterable[int]) -> None:
+        """A phase of ``server_round`` asked ``asked``; ``timed_out`` did not answer in time (:class:`Silence`)."""
+        self.silence.note(server_round, asked, timed_out)
+
+    # -- train: sampling -------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> Iterable[Message]:
-        self._theta = arrays
+        self.silence.close_round(server_round - 1)  # every phase of the last round, evaluation included, is over
+        self._theta, self._theta_named = arrays, None
         self.round_started = time.perf_counter()
         if self.first_round is None:
             # The first round this server runs (round 1, or the first round of a resumed run)
@@ -192,7 +175,7 @@ class ReplyScreening:
             config["scoring-cache"] = self.scoring_cache
         if self.privacy is not None:
             self.privacy.train_config(config)  # client side: the clipping norm for Flower's mod
-        self.skipped_node_ids: list[int] = []
+        self.skipped_node_ids = []
         sampled = self._sample(server_round, arrays, config, grid)
         messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
@@ -209,7 +192,7 @@ class ReplyScreening:
             # Flower sizes the sample on the nodes connected *before* it waits for
             # min_available_nodes; the first round samples from the num-clients it waits for.
             self.min_train_nodes = max(min_train, int(self.min_available_nodes * self.fraction_train))
-        view = _SortedNodes(grid, max(self.min_available_nodes, min_train), self.start_timeout, self.sitting_out(server_round), server_round)
+        view = SortedNodes(grid, max(self.min_available_nodes, min_train), self.start_timeout, self.sitting_out(server_round), server_round)
         try:
             return list(super().configure_train(server_round, arrays, config, view))
         finally:
@@ -217,69 +200,40 @@ class ReplyScreening:
             self.min_train_nodes = min_train
             self.skipped_node_ids = view.left_out
 
-    def sitting_out(self, server_round: int) -> frozenset[int]:
-        """The nodes that sit out ``server_round`` (``timeout.skip-after``)."""
-        return frozenset(n for n, last in self.skipped_until.items() if last >= server_round)
-
-    def note_timeouts(self, server_round: int, sent: Sequence[int], timed_out: Iterable[int]) -> None:
-        """Count, per node, the consecutive rounds it did not answer in time (train or score):
-        a node that answered is cleared; one at ``skip_after`` sits out the next ``skip_after`` rounds."""
-        timed_out = set(timed_out)
-        for node in sent:
-            if node not in timed_out:
-                if self._timed_out_in.get(node) != server_round:  # a train timeout stands for the round
-                    self.timeouts[node] = 0
-                continue
-            if self._timed_out_in.get(node) == server_round:
-                continue
-            self._timed_out_in[node] = server_round
-            self.timeouts[node] = self.timeouts.get(node, 0) + 1
-            if self.skip_after and self.timeouts[node] >= self.skip_after:
-                self.skipped_until[node] = server_round + self.skip_after
-                log(
-                    WARNING,
-                    "node %d did not answer in time in %d consecutive rounds; it sits out rounds %d-%d (timeout.skip-after)",
-                    node,
-                    self.timeouts[node],
-                    server_round + 1,
-                    server_round + self.skip_after,
-                )
-
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """The train messages as sent (a subclass may replace or drop some); by default unchanged."""
         return messages
 
-    def screen_train_replies(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
-        kept, clients, excluded = [], [], []
-        replies = list(replies)
-        excluded.extend(missing_replies(self._sent, replies, "train"))
+    # -- train: the boundary ---------------------------------------------------------------------
+    def screen_train_replies(self, server_round: int, replies: Iterable[Message]) -> list[TrainReply]:
+        """The round's train replies through the boundary; the kept ones, in a fixed order, and the
+        round's record with its clients and exclusions."""
+        theta = self.theta_arrays()
+        expected = Expected.for_train(theta, self.num_partitions, self.max_examples)
+        typed, rejected, excluded = parse_replies(self._sent, replies, parse_train, expected, "train")
         self.note_timeouts(server_round, [int(m.metadata.dst_node_id) for m in self._sent], [e["node-id"] for e in excluded])
-        theta = self.theta_arrays() if self.privacy is not None else None  # once, for the privacy check of every reply
-        for msg, node in zip(replies, reply_nodes(self._sent, replies)):
-            problem = (
-                f"error reply: {msg.error.reason}"
-                if msg.has_error()
-                else reply_problem(msg.content, self._theta, self.num_partitions, self.max_examples)
-            )
-            if not problem and self.privacy is not None:
-                problem = self.privacy.reply_problem(
-                    next(iter(msg.content.metric_records.values())), theta, from_record(next(iter(msg.content.array_records.values())))
-                )
+        typed, shared = refuse_shared_partitions(typed)
+        rejected += shared
+        kept = []
+        for reply in typed:
+            problem = self.privacy.reply_problem(reply.metrics, theta, reply.arrays) if self.privacy is not None else None
             if problem:
-                log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, node, problem)
-                excluded.append({"node-id": node, "reason": problem})
-                continue
-            kept.append(msg)
-            clients.append(client_metrics(msg))
+                rejected.append(Rejection(reply.node_id, problem))
+            else:
+                kept.append(reply)
+        for r in rejected:
+            log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, r.node_id, r.reason)
+            excluded.append(r.entry())
         # Flower samples nodes in random order; fix one (by partition, then node id) so that the
         # fp32 average, the score query and the round record do not depend on it.
-        order = sorted(range(len(kept)), key=lambda i: (clients[i].get("partition-id", 0), clients[i]["node-id"]))
-        kept, clients = [kept[i] for i in order], [clients[i] for i in order]
+        kept.sort(key=lambda r: (r.partition_id if r.partition_id is not None else 0, r.node_id))
+        self.kept = kept
+        clients = [r.client_entry() for r in kept]
         self.records[server_round] = {
             "round": server_round,
             "strategy": self.strategy_name,
             "sampled-node-ids": list(self.sampled_node_ids),
-            "trained-node-ids": sorted(c["node-id"] for c in clients),
+            "trained-node-ids": sorted(r.node_id for r in kept),
             "candidates": None,
             "teacher_scores": None,
             "change_scores": None,
@@ -290,89 +244,97 @@ class ReplyScreening:
             self.records[server_round]["skipped-node-ids"] = list(self.skipped_node_ids)
         return kept
 
-    def bounded_views(self, server_round: int, kept: list[Message]) -> list[Message]:
-        """The kept replies as the aggregation sees them (:func:`aggregation_view`), with their
-        updates clipped (``clip_norm``) and weights capped (``max_weight``); sets
-        :attr:`client_weights`. With both off, the replies' own arrays and weights."""
-        weights = [float(c[WEIGHT_KEY]) for c in self.records[server_round]["clients"]]
-        nodes = [c["node-id"] for c in self.records[server_round]["clients"]]
+    # -- train: bounds and the average -----------------------------------------------------------
+    def bounded_updates(self, server_round: int, kept: list[TrainReply]) -> list[Update]:
+        """The kept replies as the averager sees them, with their updates clipped (``clip_norm``)
+        and weights capped (``max_weight``); sets :attr:`client_weights`. Under privacy: equal
+        weights (the noise is calibrated to the plain mean's sensitivity; Ĵ uses the same)."""
+        theta = self.theta_arrays()
         if self.privacy is not None:
-            # Equal weights: the noise is calibrated to the plain mean's sensitivity C/m; Ĵ uses the same.
-            self.client_weights = dict.fromkeys(nodes, 1.0)
-            return [aggregation_view(m, None, 1, self.privacy.view_metrics(next(iter(m.content.metric_records.values())))) for m in kept]
+            self.client_weights = {r.node_id: 1.0 for r in kept}
+            return [Update(r.node_id, r.arrays, 1, self.privacy.view_metrics(r.metrics)) for r in kept]
+        weights = [float(r.num_examples) for r in kept]
         capped = capped_weights(weights, self.max_weight)
-        self.client_weights = dict(zip(nodes, capped))
+        self.client_weights = {r.node_id: w for r, w in zip(kept, capped)}
         if not self.clip_norm and not self.max_weight:
-            return [aggregation_view(m) for m in kept]
-        theta = self.theta_arrays()
-        arrays = [from_record(next(iter(m.content.array_records.values()))) for m in kept]
-        norms = [update_norm(theta, a) for a in arrays]
+            return [Update(r.node_id, r.arrays, r.num_examples) for r in kept]
+        norms = [update_norm(theta, r.arrays) for r in kept]
         scales = clip_scales(norms, self.clip_norm)
-        views, bounded = [], []
-        for msg, node, a, norm, scale, w, cw in zip(kept, nodes, arrays, norms, scales, weights, capped):
-            record = ArrayRecord({k: Array(v) for k, v in clipped(theta, a, scale).items()}) if scale < 1.0 else None
-            views.append(aggregation_view(msg, record, cw if cw < w else None))
-            bounded.append({"node-id": node, "update-norm": norm, "scale": scale, "weight": cw})
+        updates, bounded = [], []
+        for r, norm, scale, w, cw in zip(kept, norms, scales, weights, capped):
+            updates.append(Update(r.node_id, clipped(theta, r.arrays, scale), cw if cw < w else r.num_examples))
+            bounded.append({"node-id": r.node_id, "update-norm": norm, "scale": scale, "weight": cw})
             if scale < 1.0 or cw < w:
-                log(WARNING, "round %d: node %d's update bounded: norm %.4g scaled by %.4g, weight %g -> %g", server_round, node, norm, scale, w, cw)
+                log(
+                    WARNING,
+                    "round %d: node %d's update bounded: norm %.4g scaled by %.4g, weight %g -> %g",
+                    server_round,
+                    r.node_id,
+                    norm,
+                    scale,
+                    w,
+                    cw,
+                )
         self.records[server_round]["bounded"] = bounded
-        return views
+        return updates
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+    def average_round(self, server_round: int, replies: Iterable[Message]) -> Named | None:
+        """Screen, bound and average the round's train replies: :attr:`mean` (None: nothing averaged)."""
         kept = self.screen_train_replies(server_round, replies)
-        views = self.bounded_views(server_round, kept)
-        arrays, metrics = self.average(server_round, views)
+        updates = self.bounded_updates(server_round, kept)
+        result: Average = self.averager.average(server_round, updates, self.theta_arrays())
         record = self.records[server_round]
-        if arrays is not None and not all_finite(from_record(arrays)):
-            log(WARNING, "round %d holds: the average of the kept updates is not finite (θ_t kept)", server_round)
-            record["multiplier"] = 0.0
-            record["hold-reason"] = "the averaged adapter is not finite"
-            arrays, metrics = None, None
-        record.setdefault("multiplier", self.default_multiplier if arrays is not None else 0.0)
+        record.update(result.record)
+        self.mean = result.arrays
         self._aggregation = None
-        if arrays is None:
-            record.setdefault("hold-reason", "no valid client update")
-        elif self.averages_factors:
-            # The diagnostic compares the weighted mean of factors with that of products: none for
-            # a robust aggregate (docs/robustness.md). Flower's FedMedian emptied the views then.
-            if self.aggregator is None:
-                clients = [from_record(next(iter(m.content.array_records.values()))) for m in views]
-                weights = [float(next(iter(m.content.metric_records.values()))[WEIGHT_KEY]) for m in views]
-                try:
-                    self._aggregation = (aggregation_gram(self.theta_arrays(), clients, weights), weights)
-                except ValueError as err:  # a diagnostic never stops a round: factors without A/B pairs
-                    log(WARNING, "round %d: no aggregation error: %s", server_round, err)
-                    self._aggregation = None
-            self.record_aggregation_error(server_round, record["multiplier"])
-        return arrays, metrics
+        if self.mean is not None and self.averages_factors and self.averager.weighted_mean:
+            try:
+                self._aggregation = (
+                    aggregation_gram(self.theta_arrays(), [u.arrays for u in updates], [float(u.weight) for u in updates]),
+                    [float(u.weight) for u in updates],
+                )
+            except ValueError as err:  # a diagnostic never stops a round: factors without A/B pairs
+                log(WARNING, "round %d: no aggregation error: %s", server_round, err)
+        if self.mean is not None and not all_finite(self.mean):
+            log(WARNING, "round %d holds: the average of the kept updates is not finite (θ_t kept)", server_round)
+            record["hold-reason"] = "the averaged adapter is not finite"
+            self.mean = None
+        return self.mean
 
-    def average(self, server_round: int, views: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """θ_t + a (aggregate − θ_t) at the strategy's default a (FedAvg, FedTOPS: 1; fixed: its
-        own): Flower's FedAvg (FedAvgM) on the views, :attr:`aggregator`'s ``aggregate_train``, or,
-        with :attr:`privacy`, Flower's DP wrapper around FedAvg (the noisy mean), then moved by a."""
-        if self.privacy is not None:
-            arrays, metrics, released = self.privacy.release(server_round, views, self._theta)
-            # ε so far, in every round's record: one that released nothing (no views) included
-            self.records[server_round]["privacy"] = {**released, **self.privacy.ledger.summary()}
-        elif self.aggregator is None:
-            return super().aggregate_train(server_round, views)
-        else:
-            arrays, metrics = self._robust_average(server_round, views)
-        if arrays is None or self.default_multiplier == 1.0:
-            return arrays, metrics
+    # -- the step, in one place ------------------------------------------------------------------
+    def apply_multiplier(self, server_round: int, multiplier: float) -> ArrayRecord:
+        """θ_{t+1} = θ_t + a·Δ_t with Δ_t = :attr:`mean` − θ_t, in fp32, from θ_t; the record's
+        ``multiplier``. A result that is not finite holds the round (θ_t kept, ``hold-reason``)."""
+        record = self.records[server_round]
         theta = self.theta_arrays()
-        moved = {k: (theta[k] + self.default_multiplier * (v - theta[k])).astype(v.dtype) for k, v in from_record(arrays).items()}
-        return ArrayRecord({k: Array(v) for k, v in moved.items()}), metrics
+        new = theta
+        if self.mean is None:
+            multiplier = 0.0
+            record.setdefault("hold-reason", "no valid client update")
+        elif multiplier != 0.0:
+            new = lora.apply_increment(theta, lora.increment(self.mean, theta), multiplier)
+            if not all_finite(new):
+                log(WARNING, "round %d holds: θ_t + %g Δ_t is not finite (θ_t kept)", server_round, multiplier)
+                record["hold-reason"] = f"θ_t + {multiplier:g} Δ_t is not finite"
+                multiplier, new = 0.0, theta
+        record["multiplier"] = multiplier
+        if self.averages_factors and self.mean is not None:
+            self.record_aggregation_error(server_round, multiplier)
+        return ArrayRecord({k: Array(np.asarray(v)) for k, v in new.items()})
 
-    def _robust_average(self, server_round: int, views: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if isinstance(self.aggregator, MultiKrum) and not isinstance(self.aggregator, Krum):  # Krum is MultiKrum selecting 1
-            self.aggregator.num_nodes_to_select = max(1, len(views) - self.aggregator.num_malicious_nodes)
-        return self.aggregator.aggregate_train(server_round, views)
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's average, moved by the strategy's :attr:`default_multiplier` (FedAvg: 1;
+        fixed: its a); None when no update was averaged (the round holds with θ_t)."""
+        mean = self.average_round(server_round, replies)
+        arrays = self.apply_multiplier(server_round, self.default_multiplier)
+        if mean is None:
+            return None, None
+        return arrays, MetricRecord({"multiplier": self.records[server_round]["multiplier"]})
 
     def record_aggregation_error(self, server_round: int, multiplier: float) -> None:
         """Write the round's ``aggregation-error`` (the factor average against the average of the
         products BA) and ``aggregation-error-applied`` (the same for θ_t + aΔ_t at ``multiplier``)
-        to its record, from the Gram matrix built once in ``aggregate_train``
+        to its record, from the Gram matrix built once in :meth:`average_round`
         (:func:`fedopd.models.lora.aggregation_errors`; None where the update is 0)."""
         errors = aggregation_errors_from_gram(*self._aggregation, multiplier) if self._aggregation else {"mean": None, "applied": None}
         self.records[server_round]["aggregation-error"] = errors["mean"]
@@ -387,5 +349,7 @@ class ReplyScreening:
         return global_arrays
 
     def theta_arrays(self) -> Named:
-        """θ_t of the current round, as named fp32 arrays."""
-        return from_record(self._theta)
+        """θ_t of the current round, as named fp32 arrays (converted once per round)."""
+        if self._theta_named is None:
+            self._theta_named = from_record(self._theta)
+        return self._theta_named

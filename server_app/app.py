@@ -25,9 +25,10 @@ from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal
 from fedopd.models.lora import from_record
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
+from fedtops_strategy.factory import capabilities
 from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
 from fedtops_strategy.privacy import read_journal
-from fedtops_strategy.screening import NodesNotConnected
+from fedtops_strategy.sampling import NodesNotConnected
 from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
@@ -154,8 +155,21 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     grid = PromptGrid(grid, on_reply=log_reply)
     # Deployment: with num-clients = n the strategy waits until n SuperNodes are connected.
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
-    strategy = make_strategy(cfg.strategy, num_clients=num_clients, seed=cfg.seed, timeouts=cfg.timeout, privacy=cfg.privacy)
-    check_data(cfg, num_clients, scoring_cache=getattr(strategy, "scoring_cache", "round"))
+    # The boundary's ranges (fedtops_strategy/replies.py): partition ids in [0, num-clients), and a
+    # client holds at most the whole prompt pool (data.prompts-per-client per client). With
+    # num-clients = 0 (the nodes connected at the start, a count that can be short of the
+    # federation's while nodes still register) there are no upper bounds to check against.
+    strategy = make_strategy(
+        cfg.strategy,
+        num_clients=num_clients,
+        seed=cfg.seed,
+        timeouts=cfg.timeout,
+        privacy=cfg.privacy,
+        max_examples=cfg.data.prompts_per_client * cfg.num_clients if cfg.num_clients else None,
+        num_partitions=num_clients if cfg.num_clients else None,
+    )
+    supports = capabilities(cfg.strategy.name)
+    check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
@@ -163,26 +177,18 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     check_positions(cfg)
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
-    if cfg.num_clients:
-        # The schema's ranges (fedtops_strategy/schema.py): partition ids in [0, num-clients), and a
-        # client holds at most the whole prompt pool (data.prompts-per-client per client).
-        strategy.max_examples = cfg.data.prompts_per_client * cfg.num_clients
-    else:
-        # num-clients = 0: the nodes connected at the start, a count that can be short of the
-        # federation's (nodes still registering): no upper bounds to check against.
-        strategy.num_partitions = None
     if cfg.resume_from:
         run, done = open_resumed_run(cfg, lora_config, resolved)
-        if done > 0 and not per_client_adapters(strategy):  # Local's global adapter stays the initial one
+        if done > 0 and not supports.per_client_adapters:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
-        if getattr(strategy, "privacy", None) is not None:  # the privacy spent so far, and adaptive clipping's C
+        if strategy.privacy is not None:  # the privacy spent so far, and adaptive clipping's C
             strategy.privacy.replay([r for r in complete_rounds(run.path) if r["round"] <= done], run.path / PRIVACY_JOURNAL)
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
-    if getattr(strategy, "privacy", None) is not None:
+    if strategy.privacy is not None:
         strategy.privacy.ledger.journal = run.path / PRIVACY_JOURNAL  # every release from here on, before it leaves
     grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
@@ -252,14 +258,10 @@ def check_positions(cfg: RunConfig) -> None:
         raise
 
 
-def per_client_adapters(strategy) -> bool:
-    """Whether each client keeps an adapter of its own and there is no global one (Local)."""
-    return hasattr(strategy, "client_adapters")
-
-
 def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays) -> Path:
     started_run = time.perf_counter()
-    per_client = per_client_adapters(strategy)
+    supports = capabilities(cfg.strategy.name)
+    per_client = supports.per_client_adapters
     title = run_title(cfg.to_run_config())
     tensorboard = TensorBoardLog(run.path / "tensorboard") if cfg.logging.tensorboard else None
 
@@ -292,6 +294,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 num_partitions=strategy.num_partitions,
                 max_examples=cfg.eval.prompts_per_client,
                 skip=strategy.sitting_out(server_round + 1) if server_round > 0 else frozenset(),
+                on_silence=lambda asked, silent: strategy.note_timeouts(server_round, asked, silent),
             )
             record["eval_seconds"] = time.perf_counter() - started
             traffic["evaluate"] = grid.last_traffic
@@ -312,8 +315,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
     # phase between train and evaluate.
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
-    if getattr(strategy, "privacy", None) is not None:
-        scores = hasattr(strategy, "configure_score")
+    if strategy.privacy is not None:
+        scores = supports.score_phase
         unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
         log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
@@ -337,7 +340,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
 
         # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
-        if new_arrays is not None and hasattr(strategy, "configure_score"):
+        if new_arrays is not None and supports.score_phase:
             messages = strategy.configure_score(server_round, strategy.increment, grid)
             replies = grid.send_and_receive(messages, timeout=cfg.timeout.score)
             traffic["score"] = grid.last_traffic

@@ -9,16 +9,15 @@ for Local the plain mean over clients ("Local mean"). Per-client values are kept
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedtops_strategy.schema import evaluate_metrics_problem
-from fedtops_strategy.screening import WEIGHT_KEY, missing_replies, reply_nodes
-from server_app.error_lines import root_cause
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, refuse_shared_partitions
+from fedtops_strategy.screening import parse_replies
 
 EVALUATE = "evaluate"
 
@@ -59,12 +58,16 @@ def evaluate_round(
     num_partitions: int | None = None,
     max_examples: int | None = None,
     skip: frozenset[int] = frozenset(),
+    on_silence: Callable[[list[int], list[int]], None] | None = None,
 ) -> dict[str, Any] | None:
     """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
 
     All of them by default; with ``fraction`` < 1 (``eval.fraction``), :func:`evaluation_nodes`.
     Nodes in ``skip`` (sitting out after timeouts, ``timeout.skip-after``) are not asked; replies
-    must pass the evaluate schema with partition ids below ``num_partitions``.
+    pass the boundary (:func:`fedtops_strategy.replies.parse_evaluate`: partition ids below
+    ``num_partitions``, at most ``max_examples`` examples; two claims of one partition are both
+    refused). ``on_silence(asked, silent)``: the nodes asked and those that did not answer in time
+    (the strategy counts silence in every phase, ``timeout.skip-after``).
     """
     nodes = evaluation_nodes([n for n in grid.get_node_ids() if int(n) not in skip], fraction, seed, server_round)
     messages = [
@@ -75,31 +78,19 @@ def evaluate_round(
         )
         for n in nodes
     ]
-    clients = []
     replies = list(grid.send_and_receive(messages, timeout=timeout))
-    excluded = missing_replies(messages, replies, "evaluate")
-    for msg, node in zip(replies, reply_nodes(messages, replies)):
-        problem, metrics = _parse(msg, num_partitions, max_examples)
-        if problem:
-            log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, node, problem)
-            excluded.append({"node-id": node, "reason": problem})
-            continue
-        clients.append({"node-id": node, **metrics})
+    expected = Expected(num_partitions=num_partitions, max_examples=max_examples)
+    typed, rejected, excluded = parse_replies(messages, replies, parse_evaluate, expected, "evaluate")
+    if on_silence is not None:
+        on_silence(nodes, [e["node-id"] for e in excluded])
+    typed, shared = refuse_shared_partitions(typed)
+    for r in rejected + shared:
+        log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, r.node_id, r.reason)
+        excluded.append(r.entry())
+    clients = [r.client_entry() for r in typed]
     if not clients:
         return {"clients": [], "excluded": excluded} if excluded else None
     clients.sort(key=lambda c: (c.get("partition-id", 0), c["node-id"]))
     out: dict[str, Any] = aggregate_evaluation(clients, weighted=not local_mean)
     out.update(aggregate="local-mean" if local_mean else "weighted", clients=clients, excluded=excluded)
     return out
-
-
-def _parse(msg: Message, num_partitions: int | None = None, max_examples: int | None = None) -> tuple[str | None, dict[str, Any]]:
-    """(why the reply is left out, or None; its metrics), against the evaluate schema (:mod:`fedtops_strategy.schema`)."""
-    if msg.has_error():
-        return f"error reply: {root_cause(msg.error.reason)}", {}
-    records: Iterable = list(msg.content.metric_records.values())
-    if len(records) != 1:
-        return "expected one MetricRecord", {}
-    metrics = dict(next(iter(records)).items())
-    problem = evaluate_metrics_problem(metrics, num_partitions, max_examples)
-    return (problem, {}) if problem else (None, metrics)

@@ -274,9 +274,9 @@ def test_fedavg_applies_the_weighted_mean():
 @pytest.mark.parametrize(
     "bad, reason",
     [
-        ([np.full((2, 3), np.nan), np.zeros(3)], "non-finite"),
-        ([np.full((2, 3), np.inf), np.zeros(3)], "non-finite"),
-        ([np.zeros((3, 2)), np.zeros(3)], "shape (3, 2), expected (2, 3)"),
+        ([np.full((2, 3), np.nan), np.zeros(3)], "holds values that are not finite"),
+        ([np.full((2, 3), np.inf), np.zeros(3)], "holds values that are not finite"),
+        ([np.zeros((3, 2)), np.zeros(3)], "has shape (3, 2): the global adapter's is (2, 3)"),
     ],
 )
 def test_a_bad_update_is_left_out_of_the_average_and_recorded(bad, reason):
@@ -336,7 +336,7 @@ def test_after_round_one_a_round_trains_the_clients_still_connected():
 def test_factory_builds_each_strategy_from_the_config():
     assert isinstance(make_strategy(StrategySettings(name="fedavg"), num_clients=3), LoRAFedAvg)
     fixed = make_strategy(StrategySettings(name="fixed", multiplier=3.0), num_clients=3)
-    assert isinstance(fixed, FixedMultiplier) and fixed.server_learning_rate == 3.0 and fixed.server_momentum == 0.0
+    assert isinstance(fixed, FixedMultiplier) and fixed.default_multiplier == 3.0
     fedtops = make_strategy(StrategySettings(name="fedtops", trust_budget=0.02, candidates=(1.0, 2.0)), num_clients=3)
     assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
 

@@ -6,7 +6,7 @@ The settings' types live in :mod:`fedopd.core.settings` (every layer reads them)
 importable from here too, the path that users and the apps use.
 """
 
-from fedopd.config.parse import AVERAGING_STRATEGIES, REGISTERED, allowed_values, check_server_requirements, parse_candidates, parse_run_config
+from fedopd.config.parse import REGISTERED, allowed_values, check_server_requirements, parse_candidates, parse_run_config
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import (
     _KEYS,
@@ -36,7 +36,6 @@ from fedopd.core.settings import (
 __all__ = [
     "_KEYS",
     "AGGREGATORS",
-    "AVERAGING_STRATEGIES",
     "BACKENDS",
     "DTYPES",
     "OPTIMIZER_STATES",

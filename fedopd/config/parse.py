@@ -21,7 +21,7 @@ from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunCo
 from fedopd.data.registry import DATASETS as PROMPT_SETS
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
-from fedtops_strategy.factory import STRATEGIES
+from fedtops_strategy.factory import STRATEGIES, capabilities
 
 # Keys whose allowed values are a registry's names, read at validation time (a registry may grow):
 # the registries live below this module, and registering a name makes it valid everywhere.
@@ -177,8 +177,9 @@ def _check_cross(cfg: RunConfig) -> None:
         )
 
 
-# Strategies that average client updates (the robustness keys act on that average).
-AVERAGING_STRATEGIES = ("fedavg", "fixed", "fedtops")
+def _registered(what: str) -> str:
+    """The registered strategy names that declare ``what`` (fedtops_strategy.factory.Capabilities)."""
+    return ", ".join(repr(n) for n in STRATEGIES if getattr(capabilities(n), what))
 
 
 def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, instead: str) -> None:
@@ -193,19 +194,20 @@ def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, i
 def _check_robustness(cfg: RunConfig) -> None:
     """The robustness keys make sense only where updates are averaged, or scored (FedTOPS)."""
     s = cfg.strategy
-    if s.name not in AVERAGING_STRATEGIES:
+    supports = capabilities(s.name)
+    if not supports.averages:
         _only_defaults(
             s,
             (("strategy.aggregator", "aggregator"), ("strategy.clip-norm", "clip_norm"), ("strategy.max-weight", "max_weight")),
             f"acts on the average of client updates, which 'strategy.name' = {s.name!r} does not form",
-            f"strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}",
+            f"strategy.name one of {_registered('averages')}",
         )
-    if s.name != "fedtops":
+    if not supports.score_phase:
         _only_defaults(
             s,
             (("strategy.max-vetoes", "max_vetoes"), ("strategy.score-aggregate", "score_aggregate")),
             "acts on FedTOPS's score replies",
-            "strategy.name = 'fedtops'",
+            f"strategy.name one of {_registered('score_phase')}",
         )
     if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
         raise ConfigError(
@@ -243,15 +245,19 @@ def _check_privacy(cfg: RunConfig) -> None:
         )
         return
     what = f"'privacy.clipping' = {p.clipping!r}"
-    if s.name not in AVERAGING_STRATEGIES:
+    supports = capabilities(s.name)
+    if not (supports.averages and supports.private):
         raise ConfigError(
-            f"run config {what} privatizes the average of client updates, which 'strategy.name' = {s.name!r} "
-            f"does not release; allowed: strategy.name one of {', '.join(repr(n) for n in AVERAGING_STRATEGIES)}, "
+            f"run config {what} privatizes the average of client updates and the scores, which 'strategy.name' = {s.name!r} "
+            f"does not release that way; allowed: strategy.name one of {_registered('private')}, "
             f"or 'privacy.clipping' = 'off'"
         )
-    if s.name != "fedtops":  # the score channel is FedTOPS's
+    if not supports.score_phase:  # the score channel
         _only_defaults(
-            p, _SCORE_CHANNEL_KEYS, f"acts on FedTOPS's score channel, which 'strategy.name' = {s.name!r} does not have", "strategy.name = 'fedtops'"
+            p,
+            _SCORE_CHANNEL_KEYS,
+            f"acts on FedTOPS's score channel, which 'strategy.name' = {s.name!r} does not have",
+            f"strategy.name one of {_registered('score_phase')}",
         )
     if p.clipping != "adaptive":
         _only_defaults(p, _ADAPTIVE_KEYS, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
@@ -267,7 +273,7 @@ def _check_privacy(cfg: RunConfig) -> None:
                 f"by the round's median, which depends on the other clients' data (privacy clips at privacy.clip-norm "
                 f"and weighs every update equally); allowed: 0"
             )
-    if s.name == "fedtops" and math.isfinite(s.trust_budget) and p.change_score_max <= s.trust_budget:
+    if supports.score_phase and math.isfinite(s.trust_budget) and p.change_score_max <= s.trust_budget:
         raise ConfigError(
             f"run config 'privacy.change-score-max' = {p.change_score_max!r} must exceed 'strategy.trust-budget' = "
             f"{s.trust_budget!r}: with K̂ clipped at or below δ every candidate would be feasible; allowed: a number > {s.trust_budget!r}"

@@ -1,0 +1,110 @@
+"""The average of a round's updates, behind one interface: a strategy never knows which one runs.
+
+An :class:`Averager` takes the round's checked updates (:class:`Update`: a node, its float32
+arrays θ_{t,i}^+, its weight) and θ_t, and returns the averaged adapter, or None when it averages
+nothing. The strategy then moves θ_{t+1} = θ_t + a·(average − θ_t) in one place
+(:meth:`fedtops_strategy.screening.ReplyScreening.apply_multiplier`); no averager keeps a model
+between rounds.
+
+* :class:`WeightedMean`: Σ w_i θ_i / Σ w_i, with Flower's own ``aggregate_arrayrecords`` (FedAvg's);
+* :class:`RobustMean`: one of Flower's robust strategies' ``aggregate_train`` (``strategy.aggregator``:
+  median, trimmed mean, Krum, MultiKrum; :mod:`fedtops_strategy.aggregators`);
+* :class:`PrivateMean`: Flower's differential-privacy wrapper around an equal-weight FedAvg
+  (``privacy.*``, :class:`fedtops_strategy.privacy.UpdatePrivacy`).
+
+Flower's aggregators read messages; each gets fresh ones built from the checked arrays, holding
+only the arrays and the weight (and the norm bit for adaptive client-side clipping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Krum, MultiKrum
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fedopd.models.lora import Named, from_record
+
+WEIGHT_KEY = "num-examples"
+
+
+@dataclass(frozen=True)
+class Update:
+    """One client's checked contribution: float32 arrays with θ_t's keys and shapes, and its weight."""
+
+    node_id: int
+    arrays: Named
+    weight: float
+    metrics: dict[str, Any] = field(default_factory=dict)  # what an averager needs besides (the norm bit)
+
+
+@dataclass
+class Average:
+    """The averaged adapter (None: nothing averaged) and what the round record gets from it."""
+
+    arrays: Named | None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Averager(Protocol):
+    """Forms the round's average of the checked updates."""
+
+    #: whether the average is the weighted mean of the factors (the aggregation-error diagnostic's premise)
+    weighted_mean: bool
+
+    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average: ...
+
+
+def as_message(update: Update, theta_keys: list[str] | None = None) -> Message:
+    """An update as Flower's aggregators read a reply: its arrays and its weight only."""
+    arrays = ArrayRecord({k: Array(np.asarray(v)) for k, v in update.arrays.items()})
+    metrics = MetricRecord({WEIGHT_KEY: update.weight, **update.metrics})
+    return Message(content=RecordDict({"arrays": arrays, "metrics": metrics}), dst_node_id=update.node_id, message_type="train")
+
+
+class WeightedMean:
+    """Σ w_i θ_i / Σ w_i, as Flower's FedAvg computes it (``aggregate_arrayrecords``)."""
+
+    weighted_mean = True
+
+    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
+        if not updates:
+            return Average(None)
+        contents = [as_message(u).content for u in updates]
+        return Average(from_record(aggregate_arrayrecords(contents, WEIGHT_KEY)))
+
+
+class RobustMean:
+    """A Flower robust strategy's ``aggregate_train`` on the updates (``strategy.aggregator``)."""
+
+    weighted_mean = False
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+
+    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
+        if not updates:
+            return Average(None)
+        if isinstance(self.strategy, MultiKrum) and not isinstance(self.strategy, Krum):  # Krum is MultiKrum selecting 1
+            self.strategy.num_nodes_to_select = max(1, len(updates) - self.strategy.num_malicious_nodes)
+        arrays, _ = self.strategy.aggregate_train(server_round, [as_message(u) for u in updates])
+        return Average(None if arrays is None else from_record(arrays))
+
+
+class PrivateMean:
+    """Flower's DP wrapper around the equal-weight FedAvg mean (:class:`~fedtops_strategy.privacy.UpdatePrivacy`)."""
+
+    weighted_mean = True
+
+    def __init__(self, privacy) -> None:
+        self.privacy = privacy
+
+    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
+        views = [as_message(Update(u.node_id, u.arrays, 1, u.metrics)) for u in updates]
+        theta_record = ArrayRecord({k: Array(np.asarray(v)) for k, v in theta.items()})
+        arrays, _, released = self.privacy.release(server_round, views, theta_record)
+        # ε so far, in every round's record: one that released nothing included
+        return Average(None if arrays is None else from_record(arrays), {"privacy": {**released, **self.privacy.ledger.summary()}})

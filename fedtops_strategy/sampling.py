@@ -1,0 +1,119 @@
+"""Which nodes a round asks, and what happens to nodes that stay silent.
+
+* :class:`SortedNodes`: a view of a Grid whose node list is sorted (Flower samples from that list's
+  order, so a seeded draw depends only on the seed, the round and the node ids), without the nodes
+  that sit out, and with a deadline on waiting for enough nodes to connect (Flower's
+  ``sample_nodes`` would otherwise wait forever).
+* :class:`Silence`: per node, the consecutive rounds in which it did not answer in time in some
+  phase it was asked in (train, score *or* evaluate). A node at ``skip_after`` such rounds sits out
+  the next ``skip_after`` rounds of sampling and evaluation. A round in which it answered every
+  phase it was asked in clears the count.
+* :func:`reply_nodes` and :func:`missing_replies`: which node each reply answers for (from the
+  messages the server sent, never from a reply's content), and which sent messages got none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from logging import WARNING
+from typing import Any
+
+from flwr.app import Message
+from flwr.common.logger import log
+
+
+class NodesNotConnected(RuntimeError):
+    """A round waited ``timeout.start`` seconds for the nodes it needs; the message says how many it saw."""
+
+
+def reply_nodes(sent: Sequence[Message], replies: Sequence[Message]) -> list[int]:
+    """The node each reply answers for: its sender, or, for an error reply that the SuperLink
+    wrote for a node it lost (sender: the SuperLink), the node the original message went to."""
+    destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent}
+    return [destination.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id)) for r in replies]
+
+
+def missing_replies(sent: Sequence[Message], replies: Sequence[Message], phase: str) -> list[dict[str, Any]]:
+    """``excluded`` entries for the messages in ``sent`` that got no reply (in time) in ``phase``."""
+    answered = {r.metadata.reply_to_message_id for r in replies}
+    out = []
+    for m in sent:
+        if m.metadata.message_id not in answered:
+            node = int(m.metadata.dst_node_id)
+            log(WARNING, "%s: node %d did not reply in time; left out of this round", phase, node)
+            out.append({"node-id": node, "reason": f"{phase}: no reply before the timeout"})
+    return out
+
+
+class SortedNodes:
+    """A Grid whose ``get_node_ids`` is sorted, without the ``skipped`` nodes while enough others are
+    connected (``needed``), and that raises :class:`NodesNotConnected` once it has been asked for
+    longer than ``deadline`` seconds with fewer than ``needed`` nodes."""
+
+    def __init__(self, grid, needed: int = 0, deadline: float = float("inf"), skipped: frozenset[int] = frozenset(), server_round: int = 0) -> None:
+        self._grid = grid
+        self.needed, self.deadline, self.skipped, self.server_round = needed, deadline, skipped, server_round
+        self.started = time.monotonic()
+        self.left_out: list[int] = []  # the skipped nodes this view last left out
+
+    def get_node_ids(self) -> list[int]:
+        nodes = sorted(int(n) for n in self._grid.get_node_ids())
+        eligible = [n for n in nodes if n not in self.skipped]
+        if len(eligible) < self.needed:  # too few without them: a skipped node is better than a stalled round
+            eligible = nodes
+        self.left_out = sorted(set(nodes) - set(eligible))
+        waited = time.monotonic() - self.started
+        if len(eligible) < self.needed and waited > self.deadline:
+            raise NodesNotConnected(
+                f"round {self.server_round} waited {waited:.0f} s (timeout.start = {self.deadline:g}) for {self.needed} connected "
+                f"node(s) and saw {len(nodes)}" + (f" ({', '.join(map(str, nodes))})" if nodes else "")
+            )
+        return eligible
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
+
+
+class Silence:
+    """Consecutive rounds of silence per node, over every phase that waits for it (module docstring).
+
+    Each phase reports whom it asked and who did not answer in time (:meth:`note`); a round's count
+    moves when the round closes (:meth:`close_round`), or, for a node that was silent, as soon as it
+    is noted (so that the nodes that sit out are known before the round's evaluation)."""
+
+    def __init__(self, skip_after: int = 0) -> None:
+        self.skip_after = int(skip_after)
+        self.counts: dict[int, int] = {}  # node -> consecutive rounds with a phase it did not answer in time
+        self.skipped_until: dict[int, int] = {}  # node -> the last round it sits out
+        self._silent_in: dict[int, int] = {}  # node -> the last round it was counted silent in
+        self._asked: dict[int, set[int]] = {}  # round -> the nodes asked in it
+
+    def note(self, server_round: int, asked: Iterable[int], silent: Iterable[int]) -> None:
+        """A phase of ``server_round`` asked ``asked``; ``silent`` did not answer in time."""
+        self._asked.setdefault(server_round, set()).update(int(n) for n in asked)
+        for node in {int(n) for n in silent}:
+            if self._silent_in.get(node) == server_round:
+                continue  # one round counts once, whatever its phases
+            self._silent_in[node] = server_round
+            self.counts[node] = self.counts.get(node, 0) + 1
+            if self.skip_after and self.counts[node] >= self.skip_after:
+                self.skipped_until[node] = server_round + self.skip_after
+                log(
+                    WARNING,
+                    "node %d did not answer in time in %d consecutive rounds; it sits out rounds %d-%d (timeout.skip-after)",
+                    node,
+                    self.counts[node],
+                    server_round + 1,
+                    server_round + self.skip_after,
+                )
+
+    def close_round(self, server_round: int) -> None:
+        """Clear the count of every node that answered every phase it was asked in ``server_round``."""
+        for node in self._asked.pop(server_round, set()):
+            if self._silent_in.get(node) != server_round:
+                self.counts[node] = 0
+
+    def sitting_out(self, server_round: int) -> frozenset[int]:
+        """The nodes that sit out ``server_round``."""
+        return frozenset(n for n, last in self.skipped_until.items() if last >= server_round)
