@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideAdaptiveClipping,
     DifferentialPrivacyClientSideFixedClipping,
@@ -239,7 +239,12 @@ class UpdatePrivacy:
             raise ValueError(f"privacy.clipping = {settings.clipping!r}, privacy.side = {settings.side!r}: no such DP wrapper")
         self.settings = settings
         self.client_side = settings.side == "client"
-        wrapper = WRAPPERS[(settings.clipping, settings.side)]
+        # Server side, the app clips each update itself (clip_update: Flower's clipping divides by
+        # the update's norm, so a zero update, θ_t sent back unchanged, raised ZeroDivisionError
+        # and ended the run); the clipped updates then go through the client-side wrapper of the
+        # same kind, which averages and adds the same noise z·C/m (adaptive: with the norm bits
+        # the app computed). Client side, the clients' mod clipped them.
+        wrapper = WRAPPERS[(settings.clipping, "client")]
         num_sampled = max(1, int(num_sampled))
         try:
             if settings.clipping == "fixed":
@@ -326,12 +331,13 @@ class UpdatePrivacy:
             return None, None, {}
         w = self.wrapper
         w.num_sampled_clients = m
-        if hasattr(w, "current_arrays"):
-            w.current_arrays = theta
         used = self.clip_norm_used if self.client_side else self.clipping_norm
         theta_named = from_record(theta)
         # What the server saw (server side: before clipping; client side: as clipped): to tune C.
-        norms = [update_norm(theta_named, from_record(next(iter(v.content.array_records.values())))) for v in views]
+        updates = [from_record(next(iter(v.content.array_records.values()))) for v in views]
+        norms = [update_norm(theta_named, u) for u in updates]
+        if not self.client_side:
+            views = [self._clipped_view(v, theta_named, u, n, used) for v, u, n in zip(views, updates, norms)]
         with fresh_numpy_entropy():
             arrays, metrics = w.aggregate_train(server_round, views)
         record: dict[str, Any] = {"clip-norm": used, "update-norm-median": float(np.median(norms))}
@@ -348,6 +354,16 @@ class UpdatePrivacy:
             }
         )
         return arrays, metrics, record
+
+    def _clipped_view(self, view: Message, theta: Named, arrays: Named, norm: float, clip_norm: float) -> Message:
+        """Server side: ``view`` with its update clipped to ``clip_norm`` (:func:`clip_update`) and,
+        for adaptive clipping, the norm bit (1: clipped) the client-side wrapper reads."""
+        clipped_arrays, bit = clip_update(theta, arrays, clip_norm, norm)
+        metrics = {k: v for k, v in next(iter(view.content.metric_records.values())).items()}
+        if self.settings.clipping == "adaptive":
+            metrics[KEY_NORM_BIT] = int(bit)
+        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in clipped_arrays.items()}), "metrics": MetricRecord(metrics)})
+        return Message(content=content, dst_node_id=view.metadata.dst_node_id, message_type=view.metadata.message_type)
 
     def release_scores(
         self, rows: list[tuple[int, list[float], list[float]]], rng: np.random.Generator, server_round: int = 0
@@ -381,6 +397,22 @@ class UpdatePrivacy:
                 self.ledger.compose(float(p["score-noise-multiplier"]), len(record.get("scored-node-ids") or [1]))
             if p.get("next-clip-norm"):
                 self.clipping_norm = float(p["next-clip-norm"])
+
+
+def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[Named, bool]:
+    """(θ_t + min(1, C/‖u‖)·u with u = arrays − θ_t, whether it was clipped): Flower's flat clipping
+    (``compute_clip_model_update``) in fp32, with a zero update (‖u‖ = 0) kept as it is: a client
+    that returns θ_t unchanged sends a valid update, and Flower's C/‖u‖ divides by zero."""
+    norm = update_norm(theta, arrays) if norm is None else norm
+    if not norm > clip_norm:  # 0 included
+        return {k: np.asarray(v, np.float32) for k, v in arrays.items()}, False
+    scale = clip_norm / norm
+    out = {}
+    for k, t in theta.items():
+        u = np.subtract(np.asarray(arrays[k], np.float32), np.asarray(t, np.float32))
+        u *= scale
+        out[k] = np.asarray(t, np.float32) + u
+    return out, True
 
 
 def read_journal(path: Path) -> list[tuple[float, int]]:

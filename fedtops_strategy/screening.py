@@ -35,7 +35,6 @@ import random
 import time
 from collections.abc import Iterable
 from logging import WARNING
-from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -45,6 +44,7 @@ from fedopd.models import lora
 from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_gram, from_record
 from fedtops_strategy.averaging import Average, PrivateMean, RobustMean, Update, WeightedMean
 from fedtops_strategy.bounds import all_finite, capped_weights, clip_scales, clipped, update_norm
+from fedtops_strategy.record import RoundRecord
 from fedtops_strategy.replies import WEIGHT_KEY, Expected, Rejection, TrainReply, parse_train, refuse_shared_partitions
 from fedtops_strategy.sampling import NodesNotConnected, Silence, SortedNodes, missing_replies, reply_nodes
 
@@ -122,7 +122,7 @@ class ReplyScreening:
         self.averager = PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator) if aggregator is not None else WeightedMean())
         self.start_timeout = start_timeout
         self.silence = Silence(skip_after)
-        self.records: dict[int, dict[str, Any]] = {}
+        self.records: dict[int, RoundRecord] = {}
         self._theta: ArrayRecord | None = None
         self._theta_named: Named | None = None
         self._sent: list[Message] = []

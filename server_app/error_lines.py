@@ -11,16 +11,32 @@ happened, e.g. vLLM's ``ValueError: User-specified max_model_len (2176) is great
 run folder keeps the full text (``client-errors.log``, :meth:`server_app.run_folder.RunFolder.log_client_error`).
 
 The text comes from other hosts: any string, possibly empty or huge. Nothing here raises on it,
-the result is one line of at most :data:`MAX_CHARS` characters, and it is a fixed point
-(``root_cause(root_cause(t)) == root_cause(t)``).
+only its first :data:`HEAD` characters are read, and the result is one safe line of at most
+:data:`MAX_CHARS` characters that is a fixed point (``root_cause(root_cause(t)) == root_cause(t)``).
+
+Safe: colour codes and C0 control characters are removed (Ray paints its headers), and every other
+character that :func:`fedtops_strategy.text.escape` escapes (C1 controls, format characters such
+as U+202E, lone surrogates, line and paragraph separators) is written as ``escape`` writes it
+(``\\x85``, ``\\u202e``). The backslash is the one exception: it stays as the client typed it.
+The line passes through :func:`root_cause` again downstream (the grid leaves it in the reply, the
+strategies and the log line take the root cause of that), so it must be a fixed point, and a fixed
+point cannot escape the backslash: escaping doubles it on every pass, and were ``\\`` written
+``\\\\`` once only, ``\\\\`` (typed) would have to stay ``\\\\``, so the line could not tell a typed
+backslash from an escaped one either way. The line is a summary; ``client-errors.log`` keeps the
+client's full text, escaped once, every backslash doubled.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
+
+from fedtops_strategy.text import ESCAPED_CATEGORIES, escape
 
 MAX_CHARS = 500  # the longest line kept; longer ones end in "…"
 WINDOW = 1 << 16  # characters split into lines around the place searched for (the rest: string searches only)
+HEAD = 1 << 22  # characters of a text read at all (a traceback's first section longer than that: its cut end is read)
+KEPT_CHARS = 1 << 16  # characters of a client's error text handed on whole to ``client-errors.log`` (:class:`ClientText`)
 
 CHAINS = (
     "The above exception was the direct cause of the following exception:",
@@ -51,7 +67,9 @@ def root_cause(text) -> str:
     cannot be told: its last line with a letter or digit in it.
     """
     try:
-        line = _bounded(_root_cause(text))
+        if text is not None and not isinstance(text, str):
+            text = str(text)
+        line = _bounded(_root_cause(text if text is None or len(text) <= HEAD else text[:HEAD]))
         # A line that itself parses as something (e.g. Flower's wrapper quoted inside a message)
         # is parsed again; each step shortens it, so this ends, and quickly: it is one short line.
         for _ in range(MAX_CHARS):
@@ -62,9 +80,24 @@ def root_cause(text) -> str:
         return line
     except Exception:  # noqa: BLE001 - input from another host must never stop the run
         try:
-            return _bounded(_last_line(_clean(str(text)[-WINDOW:]).split("\n")))
+            return _bounded(_last_line(_clean(str(text)[:HEAD][-WINDOW:]).split("\n")))
         except Exception:  # noqa: BLE001
             return ""
+
+
+class ClientText(str):
+    """The first :data:`KEPT_CHARS` characters of a client's error text, with ``length``: how long
+    the whole text was, and ``line``: its :func:`root_cause` (of the whole text, which the piece's
+    own root cause need not be). What :class:`server_app.grid.PromptGrid` hands to ``on_error``."""
+
+    length: int
+    line: str
+
+    def __new__(cls, text: str, line: str | None = None) -> ClientText:
+        piece = super().__new__(cls, text[:KEPT_CHARS])
+        piece.length = len(text)
+        piece.line = root_cause(text) if line is None else line
+        return piece
 
 
 def reason_line(reason) -> str:
@@ -86,8 +119,22 @@ def _clean(text: str) -> str:
 
 
 def _bounded(line: str) -> str:
+    """``line`` as one safe line of at most :data:`MAX_CHARS` characters: its line breaks joined,
+    each character that :func:`escape` escapes, the backslash aside, written as ``escape`` writes
+    it; a longer line is cut between two characters' pieces and ends in "…"."""
     line = " ".join(line.split("\n")).strip()
-    return line if len(line) <= MAX_CHARS else line[: MAX_CHARS - 1].rstrip() + "…"
+    pieces, size = [], 0
+    for ch in line:
+        piece = escape(ch) if ch != "\\" and unicodedata.category(ch) in ESCAPED_CATEGORIES else ch
+        if size + len(piece) > MAX_CHARS:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    else:
+        return "".join(pieces)
+    while pieces and size + 1 > MAX_CHARS:  # room for the ellipsis
+        size -= len(pieces.pop())
+    return "".join(pieces).rstrip() + "…"
 
 
 def _root_cause(text) -> str:

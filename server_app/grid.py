@@ -11,10 +11,13 @@ It also measures each phase's traffic: the bytes of every message it sends (befo
 of every reply it returns, per node (:mod:`server_app.traffic`), kept in :attr:`PromptGrid.last_traffic`
 until the next ``send_and_receive``.
 
-With ``on_error`` set, an error reply's reason is handed to it whole (with the round, the node the
+With ``on_error`` set, an error reply's reason is handed to it (with the round, the node the
 message went to and its type) and the reply goes on with its root cause's line only
 (:func:`server_app.error_lines.root_cause`): the strategies' exclusions, ``rounds.jsonl``,
 ``status.json`` and the log lines say what happened in one line, the run folder keeps the full text.
+The reason is a client's and may be huge: ``on_error`` gets its first
+:data:`server_app.error_lines.KEPT_CHARS` characters as a :class:`server_app.error_lines.ClientText`
+(with the whole text's length and root cause's line), and :func:`root_cause` reads a bounded head.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from flwr.app import Error, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from server_app.error_lines import root_cause
+from fedtops_strategy.text import escape
+from server_app.error_lines import ClientText, root_cause
 from server_app.traffic import phase_traffic, sent_bytes
 
 FIRST_POLL_S = 0.05
@@ -110,30 +114,44 @@ class PromptGrid(Grid):
     def _hooks(self, reply: Message, message: Message | None) -> None:
         """``on_error`` and ``on_reply`` for one reply. They log and record; a reply that makes
         them fail (whatever a client put in it) is logged and left to the phase's screening:
-        a hook never stops the run."""
+        a hook never stops the run, and one that fails does not keep the other from running."""
         try:
             if self.on_error is not None and reply.has_error():
                 self._record_error(reply, message)
+        except Exception as err:  # noqa: BLE001 - the reply is untrusted input
+            _hook_failed(reply, "error", err)
+        try:
             if self.on_reply is not None:
                 self.on_reply(reply)
-        except Exception as err:  # noqa: BLE001 - the reply is untrusted input
-            log(WARNING, "a reply from node %s could not be logged: %s: %s", reply.metadata.src_node_id, type(err).__name__, str(err)[:200])
+        except Exception as err:  # noqa: BLE001
+            _hook_failed(reply, "reply", err)
 
     def _record_error(self, reply: Message, message: Message | None) -> None:
-        """Hand ``reply``'s full reason to ``on_error`` and leave its root cause's line in the reply.
+        """Leave ``reply``'s root cause's line in the reply and hand its reason's first
+        :data:`~server_app.error_lines.KEPT_CHARS` characters to ``on_error``.
 
         The node and type are the sent message's (an error reply that the SuperLink writes for a
         node it lost comes from the SuperLink, with a system message type)."""
-        reason = reply.error.reason or ""
+        reason = reply.error.reason
+        reason = "" if reason is None else reason if isinstance(reason, str) else escape(reason, 1 << 16)
+        line = root_cause(reason)  # reads a bounded head of the text
+        if line != reason:  # first: whatever on_error does, the reply carries one safe line on
+            reply.error = Error(code=reply.error.code, reason=line)
         node = int(message.metadata.dst_node_id) if message is not None else int(reply.metadata.src_node_id)
         phase = message.metadata.message_type if message is not None else reply.metadata.message_type
-        self.on_error(message_round(message), node, phase, reason)
-        line = root_cause(reason)
-        if line != reason:
-            reply.error = Error(code=reply.error.code, reason=line)
+        self.on_error(message_round(message), node, phase, ClientText(reason, line))
 
     def __getattr__(self, name: str):
         return getattr(self.grid, name)
+
+
+def _hook_failed(reply: Message, hook: str, err: Exception) -> None:
+    """A WARNING for a hook that failed on ``reply``; its text escaped (it may quote the reply)."""
+    try:
+        node = int(reply.metadata.src_node_id)
+    except Exception:  # noqa: BLE001
+        node = "?"
+    log(WARNING, "a reply from node %s could not be logged (%s hook): %s: %s", node, hook, type(err).__name__, escape(err, 200))
 
 
 def message_round(message: Message | None) -> int | None:

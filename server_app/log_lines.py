@@ -3,6 +3,11 @@ round's bytes sent to and received from its clients).
 
 Each is a pure function of a reply message or a round record (``rounds.jsonl``), so what a run
 shows with ``flwr run --stream`` can be tested on hand-made inputs.
+
+A reply is untrusted: its text (an error's reason, metric keys) is shown escaped
+(:func:`fedtops_strategy.text.escape`, :func:`server_app.error_lines.root_cause`), so it cannot
+break the line or paint it; the node id is the message metadata's (the SuperLink's), the
+``client`` number the reply's ``partition-id`` only when it is an int in ``[0, MAX_PARTITION_ID)``.
 """
 
 from __future__ import annotations
@@ -11,30 +16,51 @@ from logging import INFO
 
 from flwr.common.logger import log
 
+from fedtops_strategy.text import escape
 from server_app.error_lines import root_cause
 from server_app.traffic import human_bytes
+
+MAX_PARTITION_ID = 1 << 20  # a reply's partition-id at or above it (or below 0, or no int): no progress line
+MAX_SAMPLED = 8  # sampled metrics (avg@k, pass@k) shown per line; more: "…"
+KEY_CHARS = 40  # a metric key shown escaped, at most this long
+
+
+def sampled_summary(metrics) -> str:
+    """``avg@8 21.9% pass@8 57.3%``: the sampled accuracies among ``metrics`` (keys escaped, at most
+    :data:`MAX_SAMPLED` of them)."""
+    keys = [key for key in metrics if isinstance(key, str) and key.startswith(("avg@", "pass@"))]
+    shown = " ".join(f"{escape(key, KEY_CHARS)} {metrics[key]:.1f}%" for key in keys[:MAX_SAMPLED])
+    return shown + (" …" if len(keys) > MAX_SAMPLED else "")
 
 
 def evaluation_summary(evaluation: dict | None) -> str:
     if not evaluation or "accuracy" not in evaluation:
         return ""
-    sampled = " ".join(f"{k} {v:.1f}%" for k, v in evaluation.items() if k.startswith(("avg@", "pass@")))
+    sampled = sampled_summary(evaluation)
     label = "Local mean " if evaluation.get("aggregate") == "local-mean" else ""
     return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
 
 
 def reply_summary(msg) -> str | None:
     """One progress line for a client's reply, as it arrives: what it did, with counts and times;
-    for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`)."""
+    for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`).
+    None for a reply it cannot tell (the phase's screening says why it is left out)."""
     if msg.has_error():
-        return f"  node {msg.metadata.src_node_id}: {msg.metadata.message_type} failed: {root_cause(msg.error.reason)}"
+        try:
+            node = int(msg.metadata.src_node_id)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        return f"  node {node}: {escape(msg.metadata.message_type, KEY_CHARS)} failed: {root_cause(msg.error.reason)}"
     records = list(msg.content.metric_records.values())
     if len(records) != 1:
         return None
     m = records[0]
     kind = msg.metadata.message_type
     try:
-        who = f"  client {int(m.get('partition-id', -1))}"
+        pid = m.get("partition-id")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < MAX_PARTITION_ID:
+            return None
+        who = f"  client {pid}"
         if kind == "train":
             line = (
                 f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
@@ -49,7 +75,7 @@ def reply_summary(msg) -> str | None:
             j, k = m["teacher-scores"], m["change-scores"]
             return f"{who} scored {len(j)} candidates in {m.get('score_s', 0.0):.2f} s (max K {max(k):.4f})"
         if kind == "evaluate":
-            sampled = " ".join(f"{key} {m[key]:.1f}%" for key in m if key.startswith(("avg@", "pass@")))
+            sampled = sampled_summary(m)
             return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
     except (KeyError, TypeError, ValueError, OverflowError):  # a reply the schema gate will leave out
         return None

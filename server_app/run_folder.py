@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from flwr.common.logger import log
 
 from fedopd.config import RunConfig
 from fedopd.models.lora import save_adapter
-from server_app.error_lines import root_cause
+from fedtops_strategy.text import escape
+from server_app.error_lines import KEPT_CHARS, root_cause
 
 
 def _jsonable(value: Any) -> Any:
@@ -140,19 +142,72 @@ class RunFolder:
     def log_client_error(self, server_round: int | None, node_id: int, phase: str, reason: str) -> None:
         """Append one client error reply to ``client-errors.log``: a header line (UTC time, round,
         node id, phase: the message type, and the root cause's line that ``status.json``,
-        ``rounds.jsonl`` and the log lines show), then the reason whole, as the runtime delivered it
-        (in simulation: Ray's traceback), then a blank line. A failed write is logged, never raised."""
+        ``rounds.jsonl`` and the log lines show), then the reason as the runtime delivered it
+        (in simulation: Ray's traceback), then a blank line.
+
+        The header is the server's: only it starts with ``=== ``. The reason is the client's, so
+        each of its lines is written after :data:`BODY_MARK`, escaped
+        (:func:`fedtops_strategy.text.escape`: control and format characters and the backslash as
+        visible escapes), and the log is capped: at most :data:`ENTRY_BODY_BYTES` of body per
+        entry (a longer one ends in a line saying how many characters were left out; ``reason``
+        may be a :class:`server_app.error_lines.ClientText`, the text's head with its full length),
+        at most :data:`NODE_LOG_BYTES` per node and :data:`RUN_LOG_BYTES` per run (this process's
+        entries and what the file held when it started). Once a cap is reached one line says so
+        and that node's (or every node's) further errors are only counted
+        (:attr:`client_errors`). A failed write is logged, never raised."""
+        try:
+            self._log_client_error(server_round, node_id, phase, reason)
+        except Exception as err:  # noqa: BLE001 - whatever the client's text, the run goes on
+            log(WARNING, "could not log a client error in %s: %s: %s", self.path / CLIENT_ERRORS, type(err).__name__, escape(err, 200))
+
+    @property
+    def client_errors(self) -> ClientErrorLog:
+        """What :meth:`log_client_error` wrote and counted so far in this process."""
+        state = self.__dict__.get("_client_errors")
+        if state is None:
+            file = self.path / CLIENT_ERRORS
+            state = self.__dict__["_client_errors"] = ClientErrorLog(run_bytes=file.stat().st_size if file.exists() else 0)
+        return state
+
+    def _log_client_error(self, server_round: int | None, node_id: int, phase: str, reason: str) -> None:
+        state = self.client_errors
+        node = int(node_id)
+        if state.run_full or node in state.full_nodes:
+            state.not_logged[node] = state.not_logged.get(node, 0) + 1
+            return
+        length = getattr(reason, "length", None)
+        line = getattr(reason, "line", None)
+        text = reason if type(reason) is str else str(reason)
+        length = len(text) if not isinstance(length, int) else length
+        line = root_cause(text if not isinstance(line, str) else line)  # a ClientText's: of the whole text
+        text = text[:ENTRY_BODY_BYTES]  # each character takes one byte or more: all a body can hold
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        where = f"round {int(server_round) if server_round is not None else '?'} node {node}"
+        header = f"=== {stamp} {where} {escape(phase, 100)}: {line}\n"
+        entry = header + client_text_body(text, length, ENTRY_BODY_BYTES) + "\n"
+        size = len(entry.encode("utf-8"))
+        node_bytes = state.node_bytes.get(node, 0)
+        if state.run_bytes + size + CAP_NOTICE_BYTES > RUN_LOG_BYTES:
+            state.run_full = True
+            state.not_logged[node] = state.not_logged.get(node, 0) + 1
+            entry = f"=== {stamp} {where}: client-errors.log reached {RUN_LOG_BYTES} bytes; further client errors of this run are not logged in full, only counted\n\n"
+            log(WARNING, "client-errors.log reached its cap (%d bytes): further client errors are only counted", RUN_LOG_BYTES)
+        elif node_bytes + size + CAP_NOTICE_BYTES > NODE_LOG_BYTES:
+            state.full_nodes.add(node)
+            state.not_logged[node] = state.not_logged.get(node, 0) + 1
+            entry = f"=== {stamp} {where}: node {node}'s errors reached {NODE_LOG_BYTES} bytes; its further errors are not logged in full, only counted\n\n"
+            log(WARNING, "client-errors.log: node %d's errors reached their cap (%d bytes): further ones are only counted", node, NODE_LOG_BYTES)
         file = self.path / CLIENT_ERRORS
         first = not file.exists()
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        text = str(reason).rstrip("\n")
-        entry = f"=== {stamp} round {server_round if server_round is not None else '?'} node {node_id} {phase}: {root_cause(text)}\n{text}\n\n"
+        data = entry.encode("utf-8")
         try:
-            with open(file, "a", encoding="utf-8", errors="replace") as f:
-                f.write(entry)
+            with open(file, "ab") as f:
+                f.write(data)
         except OSError as err:
             log(WARNING, "could not write %s: %s", file, err)
             return
+        state.run_bytes += len(data)
+        state.node_bytes[node] = node_bytes + len(data)
         if first:
             log(INFO, "the full text of client errors: %s", file.resolve())
 
@@ -169,6 +224,60 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
 
 STATUS = "status.json"
 CLIENT_ERRORS = "client-errors.log"  # the clients' error replies in full, one entry per reply
+BODY_MARK = "  | "  # starts each line of a client's text in client-errors.log (a header starts with '=== ')
+ENTRY_BODY_BYTES = KEPT_CHARS  # 64 KiB: the most bytes of one entry's body (the client's text, escaped)
+NODE_LOG_BYTES = 1 << 20  # 1 MiB: the most bytes of client-errors.log about one node
+RUN_LOG_BYTES = 1 << 24  # 16 MiB: the most bytes of client-errors.log in all
+CAP_NOTICE_BYTES = 1 << 10  # kept free under each cap for the line that says it was reached
+
+
+@dataclass
+class ClientErrorLog:
+    """What ``client-errors.log`` holds: ``run_bytes`` in all, ``node_bytes`` per node, the nodes
+    whose errors are no longer logged in full (``full_nodes``; ``run_full``: no node's), and
+    ``not_logged``: per node, the errors only counted."""
+
+    run_bytes: int = 0
+    node_bytes: dict[int, int] = field(default_factory=dict)
+    full_nodes: set[int] = field(default_factory=set)
+    run_full: bool = False
+    not_logged: dict[int, int] = field(default_factory=dict)
+
+
+def client_text_body(text: str, length: int, limit: int) -> str:
+    """``text`` (the first characters of a client's text ``length`` characters long) as the body of
+    a ``client-errors.log`` entry of at most ``limit`` bytes (UTF-8): each of its lines after
+    :data:`BODY_MARK`, escaped; if the text does not fit, a last line (``  [… N more characters
+    of the client's text not logged]``, outside the cap) says how much was left out."""
+    whole = length <= len(text)
+    text = text.rstrip("\n")  # a whole text's trailing line breaks: not part of what it says
+    length = len(text) if whole else length
+    if not text and whole:
+        return ""
+    out, size, shown = [], 0, 0
+    for line in text.split("\n"):
+        written = BODY_MARK + escape(line, 10 * len(line) + 10) + "\n"  # the limit: never cut (each escape <= 10 characters)
+        n = len(written.encode("utf-8"))
+        if size + n <= limit:
+            out.append(written)
+            size, shown = size + n, shown + len(line) + 1
+            continue
+        room = limit - size - len(BODY_MARK) - 1  # as much of the line as fits
+        pieces = []
+        for ch in line:
+            piece = escape(ch)
+            room -= len(piece.encode("utf-8"))
+            if room < 0:
+                break
+            pieces.append(piece)
+        if pieces:
+            out.append(BODY_MARK + "".join(pieces) + "\n")
+        shown += len(pieces)
+        break
+    left = length - min(shown, len(text))
+    if left > 0:
+        out.append(f"  [… {left} more characters of the client's text not logged]\n")
+    return "".join(out)
 
 
 def read_status(path: str | Path) -> dict[str, Any]:

@@ -294,7 +294,7 @@ def test_odd_inputs_never_raise(text):
 
 
 def test_a_huge_text_gives_its_root_cause():
-    frames = '  File "/x/vllm/engine.py", line 12, in f\n    f()\n' * 200_000  # ~10 MB
+    frames = '  File "/x/vllm/engine.py", line 12, in f\n    f()\n' * 60_000  # ~3 MB: the root cause within HEAD, the text past it
     text = (
         "Traceback (most recent call last):\n"
         + frames
@@ -387,7 +387,7 @@ def test_a_failed_runs_status_holds_the_root_causes_line_and_the_run_folder_the_
     from client_app.handlers import HANDLERS
     from fedopd.config import parse_run_config
     from server_app.app import RunFailed, run_server
-    from server_app.run_folder import CLIENT_ERRORS, read_rounds, read_status
+    from server_app.run_folder import BODY_MARK, CLIENT_ERRORS, read_rounds, read_status
 
     def train(content, state, *args, **kwargs):
         _start_engine()
@@ -421,8 +421,11 @@ def test_a_failed_runs_status_holds_the_root_causes_line_and_the_run_folder_the_
     assert len(entries) == 3
     nodes = []
     for entry in entries:
-        header, _, text = entry.removeprefix("=== ").partition("\n")
+        header, _, body = entry.removeprefix("=== ").partition("\n")
         assert header.endswith(f" train: {VLLM}") and " round 1 node " in header
+        body_lines = body.rstrip("\n").split("\n")
+        assert all(line.startswith(BODY_MARK) for line in body_lines)  # the client's text, each line marked and escaped
+        text = "\n".join(line.removeprefix(BODY_MARK) for line in body_lines)
         nodes.append(int(header.split(" node ")[1].split()[0]))
         assert text.startswith("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'")
         assert text.count("The above exception was the direct cause of the following exception:") == 2

@@ -1,0 +1,60 @@
+"""The round record's type: what one line of ``rounds.jsonl`` holds (docs/run-folder.md).
+
+Its JSON keys are the run folder's interface and stay as they are (some hyphenated, some with
+underscores, as the SPEC fixed them), so the type is a ``TypedDict`` over those keys: the
+strategies write it, the ServerApp adds timings, traffic and the evaluation, and
+:mod:`server_app.run_folder` writes it. Every value in it is a number, a string the server wrote
+(client text is escaped at the boundary, :mod:`fedtops_strategy.replies`) or a list or dict of
+them; non-finite numbers are written as ``null`` or strings, never as NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+Excluded = TypedDict("Excluded", {"node-id": int, "reason": str})
+Bounded = TypedDict("Bounded", {"node-id": int, "update-norm": float, "scale": float, "weight": float})
+
+RoundRecord = TypedDict(
+    "RoundRecord",
+    {
+        # every round (fedtops_strategy/screening.py)
+        "round": int,
+        "strategy": str,
+        "sampled-node-ids": list[int],
+        "skipped-node-ids": list[int],
+        "trained-node-ids": list[int],
+        "clients": list[dict[str, Any]],  # {"node-id" (from metadata), then the reply's checked metrics}
+        "excluded": list[Excluded],
+        "multiplier": float | None,  # None: Local (nothing applied)
+        "hold-reason": str,
+        "bounded": list[Bounded],
+        "aggregation-error": float | None,
+        "aggregation-error-applied": float | None,
+        "privacy": dict[str, Any],
+        # FedTOPS's score phase (fedtops_strategy/fedtops.py, fedtops_se.py)
+        "candidates": list[float] | None,
+        "teacher_scores": list[float | None] | None,
+        "change_scores": list[list[float | None]] | None,
+        "client_teacher_scores": list[list[float | None]],
+        "scored-node-ids": list[int],
+        "unscored-node-ids": list[int],
+        "veto-counts": list[int],
+        "hold-node-ids": list[int],
+        "fallback": bool,
+        "num-feasible": int,
+        "selected-multiplier": float,
+        "multiplier-cap": float | None,
+        "score_seconds": float,
+        "teacher-score-se": list[float | None],
+        "paper-multiplier": float,
+        # added by the ServerApp (server_app/app.py)
+        "seconds": float,
+        "server-rss-mb": float,
+        "excluded-node-ids": list[int],
+        "evaluation": dict[str, Any] | None,
+        "eval_seconds": float,
+        "communication": dict[str, Any],
+    },
+    total=False,
+)
