@@ -293,7 +293,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 seed=cfg.seed,
                 num_partitions=strategy.num_partitions,
                 max_examples=cfg.eval.prompts_per_client,
-                skip=strategy.sitting_out(server_round + 1) if server_round > 0 else frozenset(),
+                # nodes that sit out this round, or the next one after a silence noted this round
+                skip=strategy.sitting_out(server_round) | strategy.sitting_out(server_round + 1),
                 on_silence=lambda asked, silent: strategy.note_timeouts(server_round, asked, silent),
             )
             record["eval_seconds"] = time.perf_counter() - started
