@@ -19,7 +19,7 @@ only the arrays and the weight (and the norm bit for adaptive client-side clippi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -49,23 +49,38 @@ class Average:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-class Averager(Protocol):
-    """Forms the round's average of the checked updates."""
+class Averager:
+    """Forms the round's average of the checked updates; the hooks let an averager take part in
+    the round without the strategy knowing which one runs (their defaults do nothing)."""
 
     #: whether the average is the weighted mean of the factors (the aggregation-error diagnostic's premise)
-    weighted_mean: bool
+    weighted_mean = True
+    #: whether every update weighs the same (the DP mean: its noise is calibrated to the plain mean)
+    equal_weights = False
 
-    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average: ...
+    def configure_train(self, config) -> None:
+        """What the round's train messages carry for it (client-side DP: the clipping norm)."""
+
+    def refuse(self, reply, theta: Named) -> str | None:
+        """Why a checked train reply cannot join this average, or None."""
+        return None
+
+    def update_metrics(self, reply) -> dict[str, Any]:
+        """What an update carries to the average besides its weight (adaptive client-side DP: the norm bit)."""
+        return {}
+
+    def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
+        raise NotImplementedError
 
 
-def as_message(update: Update, theta_keys: list[str] | None = None) -> Message:
+def as_message(update: Update) -> Message:
     """An update as Flower's aggregators read a reply: its arrays and its weight only."""
     arrays = ArrayRecord({k: Array(np.asarray(v)) for k, v in update.arrays.items()})
     metrics = MetricRecord({WEIGHT_KEY: update.weight, **update.metrics})
     return Message(content=RecordDict({"arrays": arrays, "metrics": metrics}), dst_node_id=update.node_id, message_type="train")
 
 
-class WeightedMean:
+class WeightedMean(Averager):
     """Σ w_i θ_i / Σ w_i, as Flower's FedAvg computes it (``aggregate_arrayrecords``)."""
 
     weighted_mean = True
@@ -77,7 +92,7 @@ class WeightedMean:
         return Average(from_record(aggregate_arrayrecords(contents, WEIGHT_KEY)))
 
 
-class RobustMean:
+class RobustMean(Averager):
     """A Flower robust strategy's ``aggregate_train`` on the updates (``strategy.aggregator``)."""
 
     weighted_mean = False
@@ -94,13 +109,22 @@ class RobustMean:
         return Average(None if arrays is None else from_record(arrays))
 
 
-class PrivateMean:
+class PrivateMean(Averager):
     """Flower's DP wrapper around the equal-weight FedAvg mean (:class:`~fedtops_strategy.privacy.UpdatePrivacy`)."""
 
-    weighted_mean = True
+    equal_weights = True
 
     def __init__(self, privacy) -> None:
         self.privacy = privacy
+
+    def configure_train(self, config) -> None:
+        self.privacy.train_config(config)
+
+    def refuse(self, reply, theta: Named) -> str | None:
+        return self.privacy.reply_problem(reply.metrics, theta, reply.arrays)
+
+    def update_metrics(self, reply) -> dict[str, Any]:
+        return self.privacy.view_metrics(reply.metrics)
 
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         views = [as_message(Update(u.node_id, u.arrays, 1, u.metrics)) for u in updates]

@@ -15,6 +15,8 @@ factors), computed in float64.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,3 +59,29 @@ def capped_weights(weights: Sequence[float], max_weight: float) -> list[float]:
 def all_finite(arrays: Mapping[str, np.ndarray]) -> bool:
     """Whether every value of every array is finite."""
     return all(bool(np.isfinite(np.asarray(a)).all()) for a in arrays.values())
+
+
+@dataclass(frozen=True)
+class UpdateBounds:
+    """``strategy.clip-norm`` and ``strategy.max-weight`` (0: off) on one round's updates."""
+
+    clip_norm: float = 0.0
+    max_weight: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return bool(self.clip_norm or self.max_weight)
+
+    def apply(
+        self, theta: Mapping[str, np.ndarray], updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
+    ) -> tuple[list[Mapping[str, np.ndarray]], list[float], list[dict[str, Any]]]:
+        """(the updates clipped, the weights capped, one diagnostic per update: ``update-norm``,
+        ``scale``, ``weight``); with both bounds off, the updates and weights as they are and no
+        diagnostics."""
+        capped = capped_weights(weights, self.max_weight)
+        if not self.on:
+            return list(updates), capped, []
+        norms = [update_norm(theta, u) for u in updates]
+        scales = clip_scales(norms, self.clip_norm)
+        out = [clipped(theta, u, s) for u, s in zip(updates, scales)]
+        return out, capped, [{"update-norm": n, "scale": s, "weight": w} for n, s, w in zip(norms, scales, capped)]

@@ -1,5 +1,8 @@
 """Which nodes a round asks, and what happens to nodes that stay silent.
 
+* :class:`NodeSampler`: which nodes round t trains: Flower's FedAvg draw, seeded by the run's seed
+  and the round, over :class:`SortedNodes`; the first round waits for ``num-clients``, later ones
+  sample from the nodes that are connected.
 * :class:`SortedNodes`: a view of a Grid whose node list is sorted (Flower samples from that list's
   order, so a seeded draw depends only on the seed, the round and the node ids), without the nodes
   that sit out, and with a deadline on waiting for enough nodes to connect (Flower's
@@ -14,8 +17,9 @@
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from logging import WARNING
 from typing import Any
 
@@ -117,3 +121,44 @@ class Silence:
     def sitting_out(self, server_round: int) -> frozenset[int]:
         """The nodes that sit out ``server_round``."""
         return frozenset(n for n, last in self.skipped_until.items() if last >= server_round)
+
+
+class NodeSampler:
+    """Which nodes a round's train messages go to (Flower's FedAvg sampling, seeded).
+
+    ``sample`` runs the strategy's Flower ``configure_train`` (``flower_configure``) over a
+    :class:`SortedNodes` view, with Python's ``random`` seeded from ``seed`` and the round and put
+    back afterwards, so that the draw of round t depends only on the seed, t and the connected node
+    ids. The first round this server runs (round 1, or the first round of a resumed run) waits for
+    the clients the strategy was made for (``min_available_nodes``, ``num-clients``) and samples
+    from them; from then on a round samples from the nodes that are connected, so a lost client
+    never stalls the run. Nodes in ``sitting_out`` are not drawn while enough others are connected.
+    """
+
+    def __init__(self, seed: int = 0, start_timeout: float = float("inf")) -> None:
+        self.seed, self.start_timeout = seed, start_timeout
+        self.first_round: int | None = None
+        self.sampled_node_ids: list[int] = []  # the nodes the last round's train messages went to
+        self.skipped_node_ids: list[int] = []  # the nodes it left out because they sit out
+
+    def sample(self, strategy, flower_configure: Callable, server_round: int, arrays, config, grid, sitting_out: frozenset[int]) -> list[Message]:
+        if self.first_round is None:
+            self.first_round = server_round
+        elif server_round != self.first_round:
+            strategy.min_available_nodes = strategy.min_train_nodes
+        saved, min_train = random.getstate(), strategy.min_train_nodes
+        random.seed(f"fedtops-sampling:{self.seed}:{server_round}")
+        if server_round == self.first_round:
+            # Flower sizes the sample on the nodes connected *before* it waits for
+            # min_available_nodes; the first round samples from the num-clients it waits for.
+            strategy.min_train_nodes = max(min_train, int(strategy.min_available_nodes * strategy.fraction_train))
+        view = SortedNodes(grid, max(strategy.min_available_nodes, min_train), self.start_timeout, sitting_out, server_round)
+        self.skipped_node_ids = []
+        try:
+            sampled = list(flower_configure(server_round, arrays, config, view))
+        finally:
+            random.setstate(saved)
+            strategy.min_train_nodes = min_train
+            self.skipped_node_ids = view.left_out
+        self.sampled_node_ids = sorted(int(m.metadata.dst_node_id) for m in sampled)
+        return sampled

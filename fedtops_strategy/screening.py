@@ -31,7 +31,6 @@ the strategy's name (``client_app/handlers.py`` reads it):
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterable
 from logging import WARNING
@@ -42,11 +41,11 @@ from flwr.common.logger import log
 
 from fedopd.models import lora
 from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_gram, from_record
-from fedtops_strategy.averaging import Average, PrivateMean, RobustMean, Update, WeightedMean
-from fedtops_strategy.bounds import all_finite, capped_weights, clip_scales, clipped, update_norm
+from fedtops_strategy.averaging import Average, Averager, PrivateMean, RobustMean, Update, WeightedMean
+from fedtops_strategy.bounds import UpdateBounds, all_finite
 from fedtops_strategy.record import RoundRecord
 from fedtops_strategy.replies import WEIGHT_KEY, Expected, Rejection, TrainReply, parse_train, refuse_shared_partitions
-from fedtops_strategy.sampling import NodesNotConnected, Silence, SortedNodes, missing_replies, reply_nodes
+from fedtops_strategy.sampling import NodeSampler, NodesNotConnected, Silence, missing_replies, reply_nodes
 
 __all__ = ["WEIGHT_KEY", "NodesNotConnected", "ReplyScreening", "missing_replies", "parse_replies", "reply_nodes"]
 
@@ -115,25 +114,33 @@ class ReplyScreening:
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.sampling_seed = sampling_seed
-        self.num_partitions, self.max_examples = num_partitions, max_examples
-        self.clip_norm, self.max_weight = float(clip_norm), float(max_weight)
-        self.aggregator, self.privacy = aggregator, privacy
-        self.averager = PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator) if aggregator is not None else WeightedMean())
-        self.start_timeout = start_timeout
+        # the parts, one job each (module docstring)
+        self.sampler = NodeSampler(sampling_seed, start_timeout)
         self.silence = Silence(skip_after)
+        self.limits = Expected(num_partitions=num_partitions, max_examples=max_examples)  # θ_t's shapes join each round
+        self.bounds = UpdateBounds(float(clip_norm), float(max_weight))
+        self.privacy = privacy  # also FedTOPS's score channel, the ServerApp's ledger
+        self.averager: Averager = (
+            PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator) if aggregator is not None else WeightedMean())
+        )
+        # the round in progress
         self.records: dict[int, RoundRecord] = {}
         self._theta: ArrayRecord | None = None
         self._theta_named: Named | None = None
         self._sent: list[Message] = []
         self.round_started = 0.0
-        self.first_round: int | None = None  # the first round this strategy configured
-        self.sampled_node_ids: list[int] = []  # the nodes the current round's train messages went to
-        self.skipped_node_ids: list[int] = []
         self.kept: list[TrainReply] = []  # the round's checked train replies, in the record's order
         self.mean: Named | None = None  # the round's average (None: nothing averaged)
         self._aggregation: tuple[np.ndarray, list[float]] | None = None  # the round's aggregation Gram matrix and client weights
         self.client_weights: dict[int, float] = {}  # node -> its weight in the round's average (Ĵ uses the same)
+
+    @property
+    def num_partitions(self) -> int | None:
+        return self.limits.num_partitions
+
+    @property
+    def sampled_node_ids(self) -> list[int]:
+        return self.sampler.sampled_node_ids
 
     # -- silence (every phase) ---------------------------------------------------------------------
     @property
@@ -161,44 +168,15 @@ class ReplyScreening:
         self.silence.close_round(server_round - 1)  # every phase of the last round, evaluation included, is over
         self._theta, self._theta_named = arrays, None
         self.round_started = time.perf_counter()
-        if self.first_round is None:
-            # The first round this server runs (round 1, or the first round of a resumed run)
-            # waits for the clients the strategy was made for (``num-clients``).
-            self.first_round = server_round
-        elif server_round != self.first_round:
-            # From then on a round samples from the clients that are connected, so a lost
-            # client never stalls the run.
-            self.min_available_nodes = self.min_train_nodes
         config["learner"] = self.learner
         config["build-scoring-cache"] = self.builds_scoring_cache
         if self.scoring_cache != "round":  # the paper's messages stay as they were
             config["scoring-cache"] = self.scoring_cache
-        if self.privacy is not None:
-            self.privacy.train_config(config)  # client side: the clipping norm for Flower's mod
-        self.skipped_node_ids = []
-        sampled = self._sample(server_round, arrays, config, grid)
+        self.averager.configure_train(config)  # client-side DP: the clipping norm for Flower's mod
+        sampled = self.sampler.sample(self, super().configure_train, server_round, arrays, config, grid, self.sitting_out(server_round))
         messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
-        self.sampled_node_ids = sorted(int(m.metadata.dst_node_id) for m in sampled)
         return messages
-
-    def _sample(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid) -> list[Message]:
-        """Flower's FedAvg sampling with a draw that depends only on ``sampling_seed``, the round
-        and the connected node ids (in sorted order), and leaves Python's global ``random`` as it was;
-        nodes that sit out this round (``timeout.skip-after``) are not drawn."""
-        saved, min_train = random.getstate(), self.min_train_nodes
-        random.seed(f"fedtops-sampling:{self.sampling_seed}:{server_round}")
-        if server_round == self.first_round:
-            # Flower sizes the sample on the nodes connected *before* it waits for
-            # min_available_nodes; the first round samples from the num-clients it waits for.
-            self.min_train_nodes = max(min_train, int(self.min_available_nodes * self.fraction_train))
-        view = SortedNodes(grid, max(self.min_available_nodes, min_train), self.start_timeout, self.sitting_out(server_round), server_round)
-        try:
-            return list(super().configure_train(server_round, arrays, config, view))
-        finally:
-            random.setstate(saved)
-            self.min_train_nodes = min_train
-            self.skipped_node_ids = view.left_out
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """The train messages as sent (a subclass may replace or drop some); by default unchanged."""
@@ -209,14 +187,14 @@ class ReplyScreening:
         """The round's train replies through the boundary; the kept ones, in a fixed order, and the
         round's record with its clients and exclusions."""
         theta = self.theta_arrays()
-        expected = Expected.for_train(theta, self.num_partitions, self.max_examples)
+        expected = Expected.for_train(theta, self.limits.num_partitions, self.limits.max_examples)
         typed, rejected, excluded = parse_replies(self._sent, replies, parse_train, expected, "train")
         self.note_timeouts(server_round, [int(m.metadata.dst_node_id) for m in self._sent], [e["node-id"] for e in excluded])
         typed, shared = refuse_shared_partitions(typed)
         rejected += shared
         kept = []
         for reply in typed:
-            problem = self.privacy.reply_problem(reply.metrics, theta, reply.arrays) if self.privacy is not None else None
+            problem = self.averager.refuse(reply, theta)
             if problem:
                 rejected.append(Rejection(reply.node_id, problem))
             else:
@@ -232,7 +210,7 @@ class ReplyScreening:
         self.records[server_round] = {
             "round": server_round,
             "strategy": self.strategy_name,
-            "sampled-node-ids": list(self.sampled_node_ids),
+            "sampled-node-ids": list(self.sampler.sampled_node_ids),
             "trained-node-ids": sorted(r.node_id for r in kept),
             "candidates": None,
             "teacher_scores": None,
@@ -240,43 +218,37 @@ class ReplyScreening:
             "clients": clients,
             "excluded": excluded,
         }
-        if self.skipped_node_ids:
-            self.records[server_round]["skipped-node-ids"] = list(self.skipped_node_ids)
+        if self.sampler.skipped_node_ids:
+            self.records[server_round]["skipped-node-ids"] = list(self.sampler.skipped_node_ids)
         return kept
 
     # -- train: bounds and the average -----------------------------------------------------------
     def bounded_updates(self, server_round: int, kept: list[TrainReply]) -> list[Update]:
-        """The kept replies as the averager sees them, with their updates clipped (``clip_norm``)
-        and weights capped (``max_weight``); sets :attr:`client_weights`. Under privacy: equal
-        weights (the noise is calibrated to the plain mean's sensitivity; Ĵ uses the same)."""
-        theta = self.theta_arrays()
-        if self.privacy is not None:
-            self.client_weights = {r.node_id: 1.0 for r in kept}
-            return [Update(r.node_id, r.arrays, 1, self.privacy.view_metrics(r.metrics)) for r in kept]
-        weights = [float(r.num_examples) for r in kept]
-        capped = capped_weights(weights, self.max_weight)
+        """The kept replies as the averager sees them: equal weights where it needs them (the DP
+        mean), else ``num-examples``; then :attr:`bounds` (clip-norm, max-weight). Sets
+        :attr:`client_weights`, which Ĵ uses too."""
+        weights = [1.0 if self.averager.equal_weights else float(r.num_examples) for r in kept]
+        arrays, capped, bounded = self.bounds.apply(self.theta_arrays(), [r.arrays for r in kept], weights)
         self.client_weights = {r.node_id: w for r, w in zip(kept, capped)}
-        if not self.clip_norm and not self.max_weight:
-            return [Update(r.node_id, r.arrays, r.num_examples) for r in kept]
-        norms = [update_norm(theta, r.arrays) for r in kept]
-        scales = clip_scales(norms, self.clip_norm)
-        updates, bounded = [], []
-        for r, norm, scale, w, cw in zip(kept, norms, scales, weights, capped):
-            updates.append(Update(r.node_id, clipped(theta, r.arrays, scale), cw if cw < w else r.num_examples))
-            bounded.append({"node-id": r.node_id, "update-norm": norm, "scale": scale, "weight": cw})
-            if scale < 1.0 or cw < w:
-                log(
-                    WARNING,
-                    "round %d: node %d's update bounded: norm %.4g scaled by %.4g, weight %g -> %g",
-                    server_round,
-                    r.node_id,
-                    norm,
-                    scale,
-                    w,
-                    cw,
-                )
-        self.records[server_round]["bounded"] = bounded
-        return updates
+        if bounded:
+            self.records[server_round]["bounded"] = [{"node-id": r.node_id, **b} for r, b in zip(kept, bounded)]
+            for r, b, w in zip(kept, bounded, weights):
+                if b["scale"] < 1.0 or b["weight"] < w:
+                    log(
+                        WARNING,
+                        "round %d: node %d's update bounded: norm %.4g scaled by %.4g, weight %g -> %g",
+                        server_round,
+                        r.node_id,
+                        b["update-norm"],
+                        b["scale"],
+                        w,
+                        b["weight"],
+                    )
+        # an uncapped weight goes to the average as the client sent it (an int): Flower's mean as before
+        return [
+            Update(r.node_id, a, cw if cw < w or self.averager.equal_weights else r.num_examples, self.averager.update_metrics(r))
+            for r, a, w, cw in zip(kept, arrays, weights, capped)
+        ]
 
     def average_round(self, server_round: int, replies: Iterable[Message]) -> Named | None:
         """Screen, bound and average the round's train replies: :attr:`mean` (None: nothing averaged)."""
