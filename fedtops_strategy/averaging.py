@@ -19,11 +19,13 @@ only the arrays and the weight (and the norm bit for adaptive client-side clippi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from logging import WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp.strategy import Krum, MultiKrum
+from flwr.common.logger import log
+from flwr.serverapp.strategy import FedTrimmedAvg, Krum, MultiKrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedopd.models.lora import Named, from_record
@@ -105,6 +107,14 @@ class RobustMean(Averager):
             return Average(None)
         if isinstance(self.strategy, MultiKrum) and not isinstance(self.strategy, Krum):  # Krum is MultiKrum selecting 1
             self.strategy.num_nodes_to_select = max(1, len(updates) - self.strategy.num_malicious_nodes)
+        if isinstance(self.strategy, FedTrimmedAvg) and int(self.strategy.beta * len(updates)) == 0:
+            log(
+                WARNING,
+                "round %d: the trimmed mean of %d updates cuts none (strategy.trim-fraction = %g): it is the plain mean",
+                server_round,
+                len(updates),
+                self.strategy.beta,
+            )
         arrays, _ = self.strategy.aggregate_train(server_round, [as_message(u) for u in updates])
         return Average(None if arrays is None else from_record(arrays))
 

@@ -4,9 +4,14 @@ Pure functions on plain arrays. Off by default (the paper averages every screene
 ``num-examples``); ``strategy.clip-norm`` and ``strategy.max-weight`` turn them on
 (docs/robustness.md):
 
-* an update Δ_i = θ_i − θ_t whose norm exceeds c × the median norm of the round's updates is
-  scaled down to that norm (the median, not the mean: one huge update cannot raise its own bar);
-* a ``num-examples`` weight above c × the round's median weight is cut to it.
+* an update Δ_i = θ_i − θ_t whose norm exceeds c × the lower median norm of the round's updates
+  is scaled down to that norm;
+* a ``num-examples`` weight above c × the round's lower median weight is cut to it.
+
+The lower median (:func:`lower_median`: the middle value, or for an even count the smaller of the
+two middle ones), not the mean and not numpy's median: while fewer than half the updates are
+huge, the bar is an honest one. With two clients numpy's median is their mean, so one huge update
+would raise its own bar (with 1e4 × the honest norm it was scaled by 0.5 only).
 
 Norms are over all arrays of the adapter together, in the coordinates the clients send (LoRA
 factors), computed in float64.
@@ -21,19 +26,25 @@ from typing import Any
 import numpy as np
 
 
+def lower_median(values: Sequence[float]) -> float:
+    """The ⌈n/2⌉-th smallest of n values: the median for odd n, the lower middle value for even n."""
+    ordered = sorted(float(v) for v in values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def update_norm(theta: Mapping[str, np.ndarray], client: Mapping[str, np.ndarray]) -> float:
     """‖θ_i − θ_t‖ over all arrays together, in float64."""
     return float(np.sqrt(sum(np.sum((np.asarray(client[k], np.float64) - np.asarray(theta[k], np.float64)) ** 2) for k in theta)))
 
 
 def clip_scales(norms: Sequence[float], clip_norm: float) -> list[float]:
-    """The factor s_i ∈ [0, 1] that each update is multiplied by: min(1, c·median / ‖Δ_i‖).
+    """The factor s_i ∈ [0, 1] that each update is multiplied by: min(1, c·lower median / ‖Δ_i‖).
 
     ``clip_norm`` 0 is off (every s_i = 1). An update of norm 0 keeps s = 1.
     """
     if not clip_norm or not norms:
         return [1.0] * len(norms)
-    bound = clip_norm * float(np.median(np.asarray(norms, dtype=np.float64)))
+    bound = clip_norm * lower_median(norms)
     return [1.0 if n <= bound else bound / n for n in norms]
 
 
@@ -49,10 +60,10 @@ def clipped(theta: Mapping[str, np.ndarray], client: Mapping[str, np.ndarray], s
 
 
 def capped_weights(weights: Sequence[float], max_weight: float) -> list[float]:
-    """Each weight cut to at most c × the median weight; ``max_weight`` 0 is off (unchanged)."""
+    """Each weight cut to at most c × the lower median weight; ``max_weight`` 0 is off (unchanged)."""
     if not max_weight or not weights:
         return list(weights)
-    cap = max_weight * float(np.median(np.asarray(weights, dtype=np.float64)))
+    cap = max_weight * lower_median(weights)
     return [min(float(w), cap) for w in weights]
 
 

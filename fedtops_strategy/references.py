@@ -52,28 +52,21 @@ class LocalTraining(ReplyScreening, FedAvg):
         return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node, group_id=message.metadata.group_id)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        """Keep each checked reply's adapter as its client's. A partition belongs to the first node
-        that claimed it: another node's later claim of it is refused (it would replace that
-        client's adapter), and so is a node's claim of a second partition."""
+        """Keep each checked reply's adapter as its client's, under the partition it holds
+        (:class:`~fedtops_strategy.replies.PartitionClaims`; no partition id: its node id). A reply
+        whose partition claim was refused is left out: whose adapter it is cannot be told."""
         kept = self.screen_train_replies(server_round, replies)
         record = self.records[server_round]
-        owners = {p: n for n, p in self.partitions.items()}
+        disputed = {d["node-id"]: d["reason"] for d in record.get("disputed-partitions", [])}
         accepted = []
         for reply in kept:
-            partition = reply.partition_id if reply.partition_id is not None else reply.node_id
-            owner = owners.get(partition, reply.node_id)
-            if owner != reply.node_id or self.partitions.get(reply.node_id, partition) != partition:
-                why = (
-                    f"'partition-id' {partition} belongs to node {owner}"
-                    if owner != reply.node_id
-                    else f"node {reply.node_id} trains partition {self.partitions[reply.node_id]}, not {partition}"
-                )
-                rejection = Rejection(reply.node_id, why)
+            if reply.node_id in disputed:
+                why = f"Local keeps an adapter per partition, and {disputed[reply.node_id]}"
                 log(WARNING, "round %d: update of node %d left out: %s", server_round, reply.node_id, why)
-                record["excluded"].append(rejection.entry())
+                record["excluded"].append(Rejection(reply.node_id, why).entry())
                 continue
             accepted.append(reply)
-            self.partitions[reply.node_id] = partition
+            self.partitions[reply.node_id] = reply.partition_id if reply.partition_id is not None else reply.node_id
             self.client_arrays[reply.node_id] = ArrayRecord({k: Array(np.asarray(v)) for k, v in reply.arrays.items()})
         record["clients"] = [r.client_entry() for r in accepted]
         record["trained-node-ids"] = sorted(r.node_id for r in accepted)

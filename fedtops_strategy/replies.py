@@ -10,8 +10,7 @@ What a typed value guarantees:
 
 * **Identity** comes from the message's metadata (the SuperLink sets the sender), never from its
   content: a metric named ``node-id`` (the key the server writes) is refused. ``partition-id`` is
-  a claim; :func:`refuse_shared_partitions` refuses every reply of a round that claims a partition
-  another reply claims too.
+  a claim, settled by :class:`PartitionClaims`.
 * **Size** is bounded before anything is decoded, from the lengths of the byte buffers the
   message already holds (no copy): a train reply may hold θ_t's bytes plus :data:`ARRAY_HEADER_BYTES`
   per array and :data:`METRIC_BYTES` of metrics; a score or evaluate reply, :data:`METRIC_BYTES`.
@@ -42,7 +41,7 @@ import io
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -162,8 +161,8 @@ class Expected:
     num_partitions: int | None = None
     max_examples: int | None = None
     num_candidates: int = 0
-    # keys of a train reply checked by the strategy's own rule (privacy's norm bit), never refused here
-    extra_keys: frozenset[str] = frozenset()
+    # metrics every reply of the phase must hold (evaluate: accuracy, avg@k and pass@k of eval.samples)
+    required: tuple[str, ...] = ()
 
     @property
     def max_bytes(self) -> int:
@@ -254,8 +253,10 @@ def parse_evaluate(message, node_id: int, expected: Expected) -> EvaluateReply |
     if len(records) != 1 or len(content.array_records) or len(content.config_records):
         raise _Refused("expected one MetricRecord" + _others(content))
     metrics = _metrics(records[0], expected, vectors=())
-    if "accuracy" not in metrics:
-        raise _Refused("'accuracy' is missing")
+    for key in ("accuracy", *expected.required):
+        if key not in metrics:
+            # a client that leaves a metric out would otherwise drop it from the federation's aggregate
+            raise _Refused(f"'{key}' is missing")
     weight, partition = _weight_and_partition(metrics, expected, required=True)
     for key, value in metrics.items():
         if isinstance(value, list):
@@ -265,23 +266,59 @@ def parse_evaluate(message, node_id: int, expected: Expected) -> EvaluateReply |
     return EvaluateReply(node_id, weight, partition, metrics)
 
 
-def refuse_shared_partitions(replies: Sequence[TrainReply | EvaluateReply]) -> tuple[list, list[Rejection]]:
-    """(the replies whose ``partition-id`` no other reply claims, a Rejection for each of the rest):
-    a partition claimed by two nodes in one round is refused for both, naming both."""
-    claims: dict[int, list[int]] = {}
-    for r in replies:
-        if r.partition_id is not None:
-            claims.setdefault(r.partition_id, []).append(r.node_id)
-    kept, refused = [], []
-    for r in replies:
-        nodes = claims.get(r.partition_id, []) if r.partition_id is not None else []
-        if len(nodes) > 1:
-            refused.append(
-                Rejection(r.node_id, f"'{PARTITION_KEY}' {r.partition_id} is claimed by nodes {', '.join(map(str, sorted(nodes)))} in this round")
-            )
-        else:
-            kept.append(r)
-    return kept, refused
+class PartitionClaims:
+    """Which node holds which partition, from the ``partition-id`` the replies claim.
+
+    A partition id is a claim: the server cannot verify it. A claim stands when no other node holds
+    that partition, the claiming node holds no other one, and no other reply of the same round
+    claims it; it then binds the partition to the node. A claim that does not stand is refused,
+    naming every node involved: two nodes' first claims of one partition in a round are both
+    refused, and a node claiming a partition another node holds is refused alone (so a node that
+    copies an honest client's id can no longer push that client out once it trained). A refused
+    claim leaves the reply without a partition: where a strategy needs none (the average,
+    evaluation) it still counts as the node's own; Local, which keeps an adapter per partition,
+    leaves it out. A node that disconnects gives its partition up (:meth:`forget_except`): a
+    SuperNode that comes back under a new node id can claim it again.
+    """
+
+    def __init__(self) -> None:
+        self.holder: dict[int, int] = {}  # partition -> the node that holds it
+
+    def forget_except(self, connected: set[int]) -> None:
+        """Release the partitions of nodes that are no longer connected."""
+        self.holder = {p: n for p, n in self.holder.items() if n in connected}
+
+    def settle(self, replies: Sequence) -> tuple[list, list[dict[str, Any]]]:
+        """(the replies, those whose claim was refused without their partition; one
+        ``disputed-partitions`` entry per refused claim: node, partition, reason)."""
+        held_by = {n: p for p, n in self.holder.items()}
+        reasons: dict[int, str] = {}
+        first: dict[int, list[int]] = {}  # partition -> nodes making a first claim of it this round
+        for r in replies:
+            p = r.partition_id
+            if p is None:
+                continue
+            holder = self.holder.get(p)
+            if holder is not None and holder != r.node_id:
+                reasons[r.node_id] = f"'{PARTITION_KEY}' {p} is held by node {holder}"
+            elif r.node_id in held_by and held_by[r.node_id] != p:
+                reasons[r.node_id] = f"node {r.node_id} holds '{PARTITION_KEY}' {held_by[r.node_id]}, not {p}"
+            elif holder is None:
+                first.setdefault(p, []).append(r.node_id)
+        for p, nodes in first.items():
+            if len(nodes) > 1:
+                for n in nodes:
+                    reasons[n] = f"'{PARTITION_KEY}' {p} is claimed by nodes {', '.join(map(str, sorted(nodes)))} in this round"
+            else:
+                self.holder[p] = nodes[0]
+        out, disputes = [], []
+        for r in replies:
+            if r.node_id in reasons:
+                disputes.append({"node-id": r.node_id, PARTITION_KEY: r.partition_id, "reason": reasons[r.node_id]})
+                metrics = {k: v for k, v in r.metrics.items() if k != PARTITION_KEY}
+                r = replace(r, partition_id=None, metrics=metrics)
+            out.append(r)
+        return out, disputes
 
 
 # -------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_
 from fedtops_strategy.averaging import Average, Averager, PrivateMean, RobustMean, Update, WeightedMean
 from fedtops_strategy.bounds import UpdateBounds, all_finite
 from fedtops_strategy.record import RoundRecord
-from fedtops_strategy.replies import WEIGHT_KEY, Expected, Rejection, TrainReply, parse_train, refuse_shared_partitions
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, PartitionClaims, Rejection, TrainReply, parse_train
 from fedtops_strategy.sampling import NodeSampler, NodesNotConnected, Silence, missing_replies, reply_nodes
 
 __all__ = ["WEIGHT_KEY", "NodesNotConnected", "ReplyScreening", "missing_replies", "parse_replies", "reply_nodes"]
@@ -118,6 +118,7 @@ class ReplyScreening:
         self.sampler = NodeSampler(sampling_seed, start_timeout)
         self.silence = Silence(skip_after)
         self.limits = Expected(num_partitions=num_partitions, max_examples=max_examples)  # θ_t's shapes join each round
+        self.claims = PartitionClaims()  # which node holds which partition (train and evaluate)
         self.bounds = UpdateBounds(float(clip_norm), float(max_weight))
         self.privacy = privacy  # also FedTOPS's score channel, the ServerApp's ledger
         self.averager: Averager = (
@@ -173,6 +174,7 @@ class ReplyScreening:
         if self.scoring_cache != "round":  # the paper's messages stay as they were
             config["scoring-cache"] = self.scoring_cache
         self.averager.configure_train(config)  # client-side DP: the clipping norm for Flower's mod
+        self.claims.forget_except({int(n) for n in grid.get_node_ids()})
         sampled = self.sampler.sample(self, super().configure_train, server_round, arrays, config, grid, self.sitting_out(server_round))
         messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
@@ -190,8 +192,9 @@ class ReplyScreening:
         expected = Expected.for_train(theta, self.limits.num_partitions, self.limits.max_examples)
         typed, rejected, excluded = parse_replies(self._sent, replies, parse_train, expected, "train")
         self.note_timeouts(server_round, [int(m.metadata.dst_node_id) for m in self._sent], [e["node-id"] for e in excluded])
-        typed, shared = refuse_shared_partitions(typed)
-        rejected += shared
+        typed, disputes = self.claims.settle(typed)
+        for d in disputes:
+            log(WARNING, "round %d: node %d's partition claim refused: %s", server_round, d["node-id"], d["reason"])
         kept = []
         for reply in typed:
             problem = self.averager.refuse(reply, theta)
@@ -218,6 +221,8 @@ class ReplyScreening:
             "clients": clients,
             "excluded": excluded,
         }
+        if disputes:
+            self.records[server_round]["disputed-partitions"] = disputes
         if self.sampler.skipped_node_ids:
             self.records[server_round]["skipped-node-ids"] = list(self.sampler.skipped_node_ids)
         return kept

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, refuse_shared_partitions
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, PartitionClaims, parse_evaluate
 from fedtops_strategy.screening import parse_replies
 
 EVALUATE = "evaluate"
@@ -59,14 +59,19 @@ def evaluate_round(
     max_examples: int | None = None,
     skip: frozenset[int] = frozenset(),
     on_silence: Callable[[list[int], list[int]], None] | None = None,
+    claims: PartitionClaims | None = None,
+    required: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
 
     All of them by default; with ``fraction`` < 1 (``eval.fraction``), :func:`evaluation_nodes`.
     Nodes in ``skip`` (sitting out after timeouts, ``timeout.skip-after``) are not asked; replies
     pass the boundary (:func:`fedtops_strategy.replies.parse_evaluate`: partition ids below
-    ``num_partitions``, at most ``max_examples`` examples; two claims of one partition are both
-    refused). ``on_silence(asked, silent)``: the nodes asked and those that did not answer in time
+    ``num_partitions``, at most ``max_examples`` examples). ``claims``: the run's partition claims (:class:`~fedtops_strategy.replies.PartitionClaims`,
+    shared with training); a reply whose claim is refused counts without its partition.
+    ``required``: the metrics every reply must hold besides ``accuracy`` (the aggregate keeps the
+    metrics all clients share, so one client could otherwise drop a metric from it).
+    ``on_silence(asked, silent)``: the nodes asked and those that did not answer in time
     (the strategy counts silence in every phase, ``timeout.skip-after``).
     """
     nodes = evaluation_nodes([n for n in grid.get_node_ids() if int(n) not in skip], fraction, seed, server_round)
@@ -79,12 +84,12 @@ def evaluate_round(
         for n in nodes
     ]
     replies = list(grid.send_and_receive(messages, timeout=timeout))
-    expected = Expected(num_partitions=num_partitions, max_examples=max_examples)
+    expected = Expected(num_partitions=num_partitions, max_examples=max_examples, required=required)
     typed, rejected, excluded = parse_replies(messages, replies, parse_evaluate, expected, "evaluate")
     if on_silence is not None:
         on_silence(nodes, [e["node-id"] for e in excluded])
-    typed, shared = refuse_shared_partitions(typed)
-    for r in rejected + shared:
+    typed, disputes = (claims or PartitionClaims()).settle(typed)
+    for r in rejected:
         log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, r.node_id, r.reason)
         excluded.append(r.entry())
     clients = [r.client_entry() for r in typed]
@@ -93,4 +98,6 @@ def evaluate_round(
     clients.sort(key=lambda c: (c.get("partition-id", 0), c["node-id"]))
     out: dict[str, Any] = aggregate_evaluation(clients, weighted=not local_mean)
     out.update(aggregate="local-mean" if local_mean else "weighted", clients=clients, excluded=excluded)
+    if disputes:
+        out["disputed-partitions"] = disputes
     return out

@@ -60,7 +60,9 @@ def reply_summary(msg) -> str | None:
         pid = m.get("partition-id")
         if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < MAX_PARTITION_ID:
             return None
-        who = f"  client {pid}"
+        # the node from the metadata (the sender), the partition as the client claims it: a line
+        # cannot pass for another node's, whatever the reply holds (the boundary checks the claim)
+        who = f"  node {int(msg.metadata.src_node_id)} client {pid}"
         if kind == "train":
             line = (
                 f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "

@@ -23,6 +23,7 @@ from typing import Any
 from flwr.app import Message, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
+from fedtops_strategy.replies import content_bytes as buffer_bytes
 from fedtops_strategy.screening import reply_nodes
 
 PHASES = ("train", "score", "evaluate")  # the keys of a round's "communication", in round order
@@ -33,9 +34,19 @@ def content_bytes(content: RecordDict) -> int:
     return recorddict_to_proto(content).ByteSize()
 
 
+# A reply whose buffers hold more than this is counted from their lengths instead of serialized:
+# serializing copies the whole content, and a reply's size is whatever its sender chose.
+SERIALIZE_AT_MOST = 1 << 26  # 64 MiB
+
+
 def message_bytes(message: Message) -> int:
-    """Serialized size of ``message``'s content; 0 for an error reply (it has none)."""
-    return content_bytes(message.content) if message.has_content() else 0
+    """Serialized size of ``message``'s content; 0 for an error reply (it has none). A content whose
+    buffers hold more than :data:`SERIALIZE_AT_MOST` bytes: the sum of their lengths
+    (:func:`fedtops_strategy.replies.content_bytes`, no copy), within the framing of the serialized size."""
+    if not message.has_content():
+        return 0
+    cheap = buffer_bytes(message.content)
+    return cheap if cheap > SERIALIZE_AT_MOST else content_bytes(message.content)
 
 
 def sent_bytes(messages: Sequence[Message]) -> list[int]:

@@ -227,7 +227,7 @@ def _check_run(folder: Path, caplog, *, timed_out=(), collided=(), honest_in_cli
             assert tensor.dtype == np.float32, f"{path.relative_to(folder)}: {name} is {tensor.dtype}"
             assert np.isfinite(tensor).all(), f"{path.relative_to(folder)}: {name} is not finite"
     records = _strict_records(folder)
-    may_be_excluded = {HOSTILE, *timed_out, *collided}
+    may_be_excluded = {HOSTILE, *timed_out}  # a refused partition claim never excludes an honest node
     for record in records:
         for excluded in _walk(record, "excluded"):
             assert isinstance(excluded, list), excluded
@@ -244,7 +244,7 @@ def _check_run(folder: Path, caplog, *, timed_out=(), collided=(), honest_in_cli
             assert all(type(n) is int and n in NODES for n in ids), f"round {record.get('round')}: client node ids {ids!r}"
             assert len(ids) == len(set(ids)), f"round {record.get('round')}: a node id twice in {ids!r}"
             if honest_in_clients:
-                missing = set(HONEST) - set(collided) - set(timed_out) - set(ids)
+                missing = set(HONEST) - set(timed_out) - set(ids)
                 assert not missing, f"round {record.get('round')}: honest node(s) {sorted(missing)} missing from the clients {ids!r}"
     _check_logs(caplog)
     return records
@@ -560,12 +560,26 @@ def test_a_node_id_in_train_metrics_never_replaces_the_senders_identity_and_the_
     assert sorted(grid.destinations(SCORE, 1)) == sorted(ids), (grid.destinations(SCORE, 1), ids)
 
 
-def test_two_nodes_claiming_one_partition_in_a_round_are_both_refused_and_both_named(tmp_path, caplog):
+def test_two_first_claims_of_one_partition_are_both_refused_and_both_nodes_still_count(tmp_path, caplog):
     _capture(caplog)
     folder, _ = _run(tmp_path, {(TRAIN, 1): _set_metric("partition-id", 0)})
-    [record] = _check_run(folder, caplog, collided={FIRST_NODE_ID})
-    assert sorted(e["node-id"] for e in record["excluded"]) == [FIRST_NODE_ID, HOSTILE], record["excluded"]
-    assert [c["node-id"] for c in record["clients"]] == [FIRST_NODE_ID + 2]
+    [record] = _check_run(folder, caplog)
+    assert record["excluded"] == []
+    claim = "'partition-id' 0 is claimed by nodes 1001, 1002 in this round"
+    assert record["disputed-partitions"] == [{"node-id": n, "partition-id": 0, "reason": claim} for n in (FIRST_NODE_ID, HOSTILE)]
+    clients = {c["node-id"]: c for c in record["clients"]}
+    assert sorted(clients) == list(NODES)  # both updates still averaged, as the nodes' own
+    assert "partition-id" not in clients[FIRST_NODE_ID] and "partition-id" not in clients[HOSTILE]
+    assert clients[FIRST_NODE_ID + 2]["partition-id"] == 2
+
+
+def test_a_node_that_claims_a_partition_another_node_holds_is_refused_alone(tmp_path, caplog):
+    _capture(caplog)
+    folder, _ = _run(tmp_path, {(TRAIN, 2): _set_metric("partition-id", 0)}, **{"num-server-rounds": 2})
+    records = _check_run(folder, caplog)
+    assert records[1]["disputed-partitions"] == [{"node-id": HOSTILE, "partition-id": 0, "reason": "'partition-id' 0 is held by node 1001"}]
+    clients = {c["node-id"]: c for c in records[1]["clients"]}
+    assert clients[FIRST_NODE_ID]["partition-id"] == 0 and "partition-id" not in clients[HOSTILE]
 
 
 def test_under_local_a_claimed_partition_never_replaces_that_clients_saved_adapter(tmp_path, caplog):
@@ -577,17 +591,17 @@ def test_under_local_a_claimed_partition_never_replaces_that_clients_saved_adapt
         return forged
 
     # Round 1: every node trains its own partition. Round 2: node 1002 claims partition 0, which
-    # node 1001 trained in round 1 (and claims again): both claims of round 2 are refused, so
-    # client 0's adapter stays the one node 1001 trained in round 1.
+    # node 1001 holds since round 1: node 1002's claim is refused, and Local leaves its update out.
     claim = {(TRAIN, 2): lambda msg, honest: _with_content(msg, honest, metrics=lambda m: {**m, "partition-id": 0}, arrays=shifted)}
     folder, grid = _run(tmp_path, claim, **{"strategy.name": "local", "num-server-rounds": 2})
-    records = _check_run(folder, caplog, collided={FIRST_NODE_ID}, honest_in_clients=False)
+    records = _check_run(folder, caplog, honest_in_clients=False)
     saved = _adapter(folder / "round-002" / "client-0" / "adapter_model.safetensors")
     assert forged and not _same(saved, forged), "client 0's saved adapter is the one node 1002 sent under its partition id"
-    honest = {k: v.numpy() for k, v in grid.honest[(TRAIN, 1, FIRST_NODE_ID)].content["arrays"].items()}
+    honest = {k: v.numpy() for k, v in grid.honest[(TRAIN, 2, FIRST_NODE_ID)].content["arrays"].items()}
     assert _same(saved, honest)
-    assert sorted(e["node-id"] for e in records[1]["excluded"]) == [FIRST_NODE_ID, HOSTILE]
-    assert all("'partition-id' 0 is claimed by nodes 1001, 1002" in e["reason"] for e in records[1]["excluded"])
+    assert records[1]["excluded"] == [
+        {"node-id": HOSTILE, "reason": "Local keeps an adapter per partition, and 'partition-id' 0 is held by node 1001"}
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["str", "complex64", "float16"])

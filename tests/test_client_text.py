@@ -191,18 +191,18 @@ def _evaluate_reply(metrics):
 
 def test_metric_keys_are_escaped_in_the_reply_line():
     reply = _evaluate_reply({"partition-id": 1, "accuracy": 40.0, "eval_s": 2.0, "pass@8\n\x1b[31mINFO": 50.0})
-    assert reply_summary(reply) == "  client 1 evaluated: greedy 40.0% pass@8\\n\\x1b[31mINFO 50.0% in 2.0 s"
+    assert reply_summary(reply) == "  node 5 client 1 evaluated: greedy 40.0% pass@8\\n\\x1b[31mINFO 50.0% in 2.0 s"
 
 
 def test_at_most_max_sampled_metrics_are_shown():
     metrics = {"partition-id": 1, "accuracy": 40.0, "eval_s": 2.0, **{f"pass@{k}": 1.0 for k in range(20)}}
     sampled = " ".join(f"pass@{k} 1.0%" for k in range(MAX_SAMPLED))
-    assert reply_summary(_evaluate_reply(metrics)) == f"  client 1 evaluated: greedy 40.0% {sampled} … in 2.0 s"
+    assert reply_summary(_evaluate_reply(metrics)) == f"  node 5 client 1 evaluated: greedy 40.0% {sampled} … in 2.0 s"
 
 
 def test_a_partition_id_that_is_no_int_in_range_gives_no_line():
     base = {"accuracy": 40.0, "eval_s": 2.0}
-    assert reply_summary(_evaluate_reply({"partition-id": 3, **base})) == "  client 3 evaluated: greedy 40.0%  in 2.0 s"
+    assert reply_summary(_evaluate_reply({"partition-id": 3, **base})) == "  node 5 client 3 evaluated: greedy 40.0%  in 2.0 s"
     for pid in (-1, 1 << 20, 2.0, 2.5):
         assert reply_summary(_evaluate_reply({"partition-id": pid, **base})) is None, pid
     assert reply_summary(_evaluate_reply(base)) is None

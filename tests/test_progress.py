@@ -127,7 +127,7 @@ def test_a_reply_becomes_one_progress_line(task_identity):
     }
     reply = Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=request)
     assert reply_summary(reply) == (
-        "  client 2 trained: 1.2 s rollouts (mean 61 tokens, cap-hit 3%, reward 44%) | teacher 0.4 s | cache 0.03 s"
+        "  node 7 client 2 trained: 1.2 s rollouts (mean 61 tokens, cap-hit 3%, reward 44%) | teacher 0.4 s | cache 0.03 s"
         " | OPD 8 steps 0.6 s, loss 0.4123 -> 0.3876 | 2.3 s"
     )
 

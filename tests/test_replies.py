@@ -32,13 +32,13 @@ from fedtops_strategy.replies import (
     MAX_REASON_CHARS,
     EvaluateReply,
     Expected,
+    PartitionClaims,
     Rejection,
     ScoreReply,
     TrainReply,
     parse_evaluate,
     parse_score,
     parse_train,
-    refuse_shared_partitions,
 )
 
 # This module's settings (not a global profile: loading one would change other modules' tests).
@@ -243,11 +243,33 @@ def test_a_node_id_in_the_metrics_is_refused_whatever_its_value():
         assert isinstance(result, Rejection) and "'node-id' is reserved" in result.reason
 
 
-def test_two_claims_of_one_partition_are_both_refused_naming_both_nodes():
-    replies = [TrainReply(n, 5, p, dict(THETA)) for n, p in ((1001, 0), (1002, 1), (1003, 1))]
-    kept, refused = refuse_shared_partitions(replies)
-    assert [r.node_id for r in kept] == [1001]
-    assert [(r.node_id, r.reason) for r in refused] == [(n, "'partition-id' 1 is claimed by nodes 1002, 1003 in this round") for n in (1002, 1003)]
+def _claims(claims: PartitionClaims, pairs) -> tuple[dict, list]:
+    replies, disputes = claims.settle([TrainReply(n, 5, p, dict(THETA), {"partition-id": p}) for n, p in pairs])
+    return {r.node_id: r.partition_id for r in replies}, [(d["node-id"], d["reason"]) for d in disputes]
+
+
+def test_two_first_claims_of_one_partition_are_both_refused_naming_both_nodes():
+    kept, refused = _claims(PartitionClaims(), [(1001, 0), (1002, 1), (1003, 1)])
+    assert kept == {1001: 0, 1002: None, 1003: None}  # the replies stay, without the refused claim
+    assert refused == [(n, "'partition-id' 1 is claimed by nodes 1002, 1003 in this round") for n in (1002, 1003)]
+
+
+def test_a_held_partition_stays_with_its_node_and_another_nodes_claim_is_refused_alone():
+    claims = PartitionClaims()
+    _claims(claims, [(1001, 0), (1002, 1)])
+    kept, refused = _claims(claims, [(1001, 0), (1002, 0)])
+    assert kept == {1001: 0, 1002: None}
+    assert refused == [(1002, "'partition-id' 0 is held by node 1001")]
+    kept, refused = _claims(claims, [(1001, 2)])  # a node that holds one partition claims another
+    assert kept == {1001: None} and refused == [(1001, "node 1001 holds 'partition-id' 0, not 2")]
+
+
+def test_a_disconnected_nodes_partition_can_be_claimed_again():
+    claims = PartitionClaims()
+    _claims(claims, [(1001, 0)])
+    claims.forget_except({1002})
+    kept, refused = _claims(claims, [(1002, 0)])
+    assert kept == {1002: 0} and refused == []
 
 
 @PROFILE
@@ -355,3 +377,13 @@ def test_an_evaluation_percentage_outside_0_100_is_refused(accuracy, kept):
     content = RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": accuracy})})
     result = parse_evaluate(_reply(content, "evaluate"), NODE, EVALUATE)
     assert isinstance(result, EvaluateReply) == kept
+
+
+def test_an_evaluate_reply_without_a_required_metric_is_refused():
+    # The aggregate keeps the metrics all clients share: one client leaving avg@8 out would drop it.
+    expected = Expected(num_partitions=3, max_examples=100, required=("avg@8", "pass@8"))
+    full = {"num-examples": 5, "accuracy": 50.0, "avg@8": 40.0, "pass@8": 70.0}
+    assert isinstance(parse_evaluate(_reply(RecordDict({"metrics": MetricRecord(full)}), "evaluate"), NODE, expected), EvaluateReply)
+    partial = {k: v for k, v in full.items() if k != "avg@8"}
+    result = parse_evaluate(_reply(RecordDict({"metrics": MetricRecord(partial)}), "evaluate"), NODE, expected)
+    assert isinstance(result, Rejection) and result.reason == "'avg@8' is missing"

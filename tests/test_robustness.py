@@ -381,3 +381,42 @@ def test_the_round_line_of_a_held_round_with_a_non_finite_score_says_so():
     }
     line = round_summary(record, 4)
     assert "a = 1 | J(a) = - |" in line and line.endswith("(1 skipped) (held: see the WARNING above)")
+
+
+def test_with_two_clients_one_huge_update_cannot_raise_its_own_clipping_bar():
+    # Norms: node 1 sqrt(4.5) (Δ 0.5 on 6 entries, 1.0 on 3), node 2 3e6 (HUGE). The lower median is
+    # node 1's norm, so node 2 is scaled to 2 sqrt(4.5); numpy's median (their mean, ~1.5e6) would
+    # have let it keep half its norm.
+    strategy = LoRAFedAvg(clip_norm=2.0, **_common(2))
+    _run(strategy, FakeGrid({1: HONEST[1], 2: HUGE}, {1: 1, 2: 1}))
+    [b1, b2] = strategy.records[1]["bounded"]
+    assert b1["scale"] == 1.0
+    assert b2["scale"] * b2["update-norm"] == pytest.approx(2 * math.sqrt(4.5), rel=1e-9)
+
+
+def test_the_lower_median_is_the_smaller_middle_value():
+    from fedtops_strategy.bounds import lower_median
+
+    assert lower_median([3.0]) == 3.0
+    assert lower_median([5.0, 1.0]) == 1.0
+    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0
+    assert lower_median([9.0, 1.0, 5.0]) == 5.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy.aggregator": "trimmed-mean", "num-clients": 3}, "cuts floor(0.2 × 3) = 0 of the 3 clients"),
+        ({"strategy.name": "fedtops", "strategy.score-aggregate": "trimmed-mean", "num-clients": 4}, "e.g. 0.25"),
+        ({"strategy.aggregator": "trimmed-mean", "num-clients": 2, "strategy.trim-fraction": 0.4}, "'median' instead, or more clients"),
+    ],
+)
+def test_a_trimmed_mean_that_would_cut_nobody_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match="strategy.trim-fraction") as err:
+        parse_run_config(overrides)
+    assert message in str(err.value)
+
+
+def test_a_trimmed_mean_that_cuts_one_client_at_each_end_is_accepted():
+    cfg = parse_run_config({"strategy.aggregator": "trimmed-mean", "num-clients": 3, "strategy.trim-fraction": 0.34})
+    assert cfg.strategy.trim_fraction == 0.34

@@ -293,3 +293,14 @@ def test_a_run_records_each_phase_per_client_with_the_adapter_in_every_message(t
     assert all(e["sent"] == content_bytes(evaluate) for e in communication["evaluate"])
     assert communication["sent"] == sum(e["sent"] for p in ("train", "score", "evaluate") for e in communication[p])
     assert communication["received"] == sum(e["received"] for p in ("train", "score", "evaluate") for e in communication[p])
+
+
+def test_a_reply_beyond_the_serialization_bound_is_counted_from_its_buffers_without_a_copy(monkeypatch):
+    import server_app.traffic as traffic
+
+    monkeypatch.setattr(traffic, "SERIALIZE_AT_MOST", 1000)  # a small bound, so that the test stays small
+    big = Message(RecordDict({"arrays": _arrays(1000)}), dst_node_id=7, message_type="train")
+    data = len(Array(np.arange(1000, dtype=np.float32)).data)  # 4,000 bytes of data + the .npy header
+    monkeypatch.setattr(traffic, "content_bytes", lambda content: pytest.fail("serialized a reply beyond the bound"))
+    # the buffer's length, the key "w", the dtype "float32" and 8 bytes per shape entry
+    assert message_bytes(big) == data + len("w") + len("float32") + 8

@@ -209,6 +209,19 @@ def _check_robustness(cfg: RunConfig) -> None:
             "acts on FedTOPS's score replies",
             f"strategy.name one of {_registered('score_phase')}",
         )
+    uses_trim = [k for k, v in (("strategy.aggregator", s.aggregator), ("strategy.score-aggregate", s.score_aggregate)) if v == "trimmed-mean"]
+    if uses_trim and cfg.num_clients:
+        per_round = max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+        if int(s.trim_fraction * per_round) == 0:
+            fix = (
+                f"a value with floor(value × {per_round}) >= 1 (one client cut at each end), e.g. {math.ceil(100 / per_round) / 100:g}"
+                if per_round >= 3
+                else f"none below 0.5 cuts any of {per_round} clients: 'median' instead, or more clients"
+            )
+            raise ConfigError(
+                f"run config 'strategy.trim-fraction' = {s.trim_fraction!r} cuts floor({s.trim_fraction!r} × {per_round}) = 0 of the "
+                f"{per_round} clients a round averages, so '{uses_trim[0]}' = 'trimmed-mean' would be the plain mean; allowed: {fix}"
+            )
     if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
         raise ConfigError(
             f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "
