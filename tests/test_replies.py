@@ -21,7 +21,7 @@ import unicodedata
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from test_strategies import message
@@ -139,6 +139,7 @@ def _safe(line: str) -> bool:
 
 
 def _check_rejection(result) -> None:
+    event("rejected")  # --hypothesis-show-statistics: how the examples split
     assert isinstance(result, Rejection)
     assert result.node_id == NODE
     assert result.reason and len(result.reason) <= MAX_REASON_CHARS and _safe(result.reason)
@@ -161,16 +162,35 @@ def _metrics_allowed(metrics: dict, vectors=()) -> bool:
 # -- train --------------------------------------------------------------------------------------
 
 
+@st.composite
+def near_valid_train(draw):
+    """θ_t's keys and shapes in float32 (values anywhere, non-finite included), and metrics that are
+    mostly the app's own keys with plausible values: the accepting side of the schema gets examples."""
+    arrays = {k: draw(hnp.arrays(np.float32, v.shape, elements=st.floats(width=32, allow_nan=True, allow_infinity=True))) for k, v in THETA.items()}
+    keys = st.one_of(st.sampled_from(["loss", "steps", "total_s", "accuracy", "extra.metric@2", "partition-id"]), hostile_text)
+    values = st.one_of(st.integers(0, 10**6), st.floats(-1e16, 1e16), st.lists(st.floats(-10.0, 10.0), max_size=70), numbers)
+    weight = draw(st.one_of(st.integers(1, 1000), st.integers(-5, 2000), st.floats(0.5, 2000.0)))
+    metrics = {"num-examples": weight, **draw(st.dictionaries(keys, values, max_size=5))}
+    try:
+        record = MetricRecord(metrics)
+    except Exception:  # noqa: BLE001 - not sendable
+        record = MetricRecord({"num-examples": 5})
+    return RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}), "metrics": record})
+
+
 @PROFILE
 @given(
     content=st.one_of(
-        contents("train"), st.builds(lambda a, m: RecordDict({"arrays": a, "metrics": m}), array_records(), metric_records({"num-examples": 5}))
+        contents("train"),
+        st.builds(lambda a, m: RecordDict({"arrays": a, "metrics": m}), array_records(), metric_records({"num-examples": 5})),
+        near_valid_train(),
     )
 )
 def test_the_train_parser_never_raises_and_accepts_only_what_the_schema_allows(content):
     result = parse_train(_reply(content, "train"), NODE, TRAIN)
     if isinstance(result, Rejection):
         return _check_rejection(result)
+    event("accepted")
     assert isinstance(result, TrainReply) and result.node_id == NODE
     assert list(result.arrays) == list(THETA)
     for k, a in result.arrays.items():
@@ -283,9 +303,8 @@ def test_an_error_reply_is_a_rejection_with_one_safe_bounded_line(reason):
 
 # -- score --------------------------------------------------------------------------------------
 
-score_values = st.lists(
-    st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e308, 744.0, 745.0, -1e-7, -1e-5, 0.0])), min_size=0, max_size=8
-)
+_score = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e308, 744.0, 745.0, -1e-7, -1e-5, 0.0]), st.floats(0.0, 5.0))
+score_values = st.one_of(st.lists(_score, min_size=6, max_size=6), st.lists(_score, max_size=8))
 
 
 @PROFILE
@@ -298,6 +317,7 @@ def test_the_score_parser_never_raises_and_keeps_every_score_a_kl_can_be(j, k, e
     result = parse_score(_reply(RecordDict({"scores": record}), "query.score"), NODE, SCORE)
     if isinstance(result, Rejection):
         return _check_rejection(result)
+    event("accepted")
     assert isinstance(result, ScoreReply) and len(result.teacher_scores) == len(result.change_scores) == 6
     for value in result.teacher_scores + result.change_scores:
         assert value == math.inf or 0.0 <= value <= KL_MAX
@@ -322,11 +342,22 @@ def test_a_teacher_score_of_1e308_refuses_the_reply():
 
 
 @PROFILE
-@given(content=st.one_of(contents("evaluate"), metric_records({"num-examples": 5, "accuracy": 50.0}).map(lambda m: RecordDict({"metrics": m}))))
+@given(
+    content=st.one_of(
+        contents("evaluate"),
+        metric_records({"num-examples": 5, "accuracy": 50.0}).map(lambda m: RecordDict({"metrics": m})),
+        st.builds(
+            lambda acc, extra: RecordDict({"metrics": MetricRecord({"num-examples": 5, "accuracy": acc, **extra})}),
+            st.floats(-10.0, 110.0),
+            st.dictionaries(st.sampled_from(["avg@8", "pass@8", "eval_s", "response_length"]), st.floats(-10.0, 200.0), max_size=4),
+        ),
+    )
+)
 def test_the_evaluate_parser_never_raises_and_accepts_only_percentages_and_finite_scalars(content):
     result = parse_evaluate(_reply(content, "evaluate"), NODE, EVALUATE)
     if isinstance(result, Rejection):
         return _check_rejection(result)
+    event("accepted")
     assert isinstance(result, EvaluateReply) and "accuracy" in result.metrics
     assert 1 <= result.num_examples <= 100
     for k, v in result.metrics.items():
