@@ -79,7 +79,7 @@ def reply_summary(msg) -> str | None:
         if kind == "evaluate":
             sampled = sampled_summary(m)
             return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
-    except (KeyError, TypeError, ValueError, OverflowError):  # a reply the schema gate will leave out
+    except (KeyError, TypeError, ValueError, OverflowError):  # a reply the boundary will leave out
         return None
     return None
 

@@ -322,8 +322,8 @@ def test_a_supernode_that_sends_a_malformed_reply_every_round_cannot_stop_the_ru
     The malformed host is a realistic one, not hostile code: the script gives SuperNode i the node
     config ``partition-id=i num-partitions=3`` while the run is for ``num-clients = 2``, so
     SuperNode 2 is a client set up for another federation size (a host whose config or version is
-    out of step). Its reply carries ``partition-id`` 2, outside [0, 2): the schema gate
-    (fedtops_strategy/schema.py) leaves it out with the reason, never averages it and never sends
+    out of step). Its reply carries ``partition-id`` 2, outside [0, 2): the boundary
+    (fedtops_strategy/replies.py) leaves it out with the reason, never averages it and never sends
     it the score query, and, as this is no timeout, it keeps being sampled. The script starts the
     run once all three are connected, so with strategy.fraction-train = 1 every round samples all
     three; the test asks for it in rounds 2 and 3 at least (round 1's sample is sized on the nodes
