@@ -9,9 +9,11 @@ Pure functions on plain arrays. Off by default (the paper averages every screene
 * a ``num-examples`` weight above c × the round's lower median weight is cut to it.
 
 The lower median (:func:`lower_median`: the middle value, or for an even count the smaller of the
-two middle ones), not the mean and not numpy's median: while fewer than half the updates are
-huge, the bar is an honest one. With two clients numpy's median is their mean, so one huge update
-would raise its own bar (with 1e4 × the honest norm it was scaled by 0.5 only).
+two middle ones), not the mean: from three updates on, one node alone can neither raise the bar
+(a huge update) nor lower it (a zero one). With fewer than three updates the bounds are not
+applied (:data:`MIN_BOUNDED`; the round record says so): with two, any relative bar is one of
+the two (numpy's median, their mean, let an update 1e4 × the other's keep half its norm; the
+lower median let a zero update scale the other to 0).
 
 Norms are over all arrays of the adapter together, in the coordinates the clients send (LoRA
 factors), computed in float64.
@@ -72,6 +74,12 @@ def all_finite(arrays: Mapping[str, np.ndarray]) -> bool:
     return all(bool(np.isfinite(np.asarray(a)).all()) for a in arrays.values())
 
 
+# With two updates, no bound relative to the round can tell which one is out of line: the lower
+# median of two is the smaller one, so a zero update would scale the other to 0 (and numpy's median,
+# their mean, lets a huge one raise its own bar). From three, one node alone never sets the bar.
+MIN_BOUNDED = 3
+
+
 @dataclass(frozen=True)
 class UpdateBounds:
     """``strategy.clip-norm`` and ``strategy.max-weight`` (0: off) on one round's updates."""
@@ -85,14 +93,16 @@ class UpdateBounds:
 
     def apply(
         self, theta: Mapping[str, np.ndarray], updates: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
-    ) -> tuple[list[Mapping[str, np.ndarray]], list[float], list[dict[str, Any]]]:
+    ) -> tuple[list[Mapping[str, np.ndarray]], list[float], list[dict[str, Any]], str | None]:
         """(the updates clipped, the weights capped, one diagnostic per update: ``update-norm``,
-        ``scale``, ``weight``); with both bounds off, the updates and weights as they are and no
-        diagnostics."""
-        capped = capped_weights(weights, self.max_weight)
+        ``scale``, ``weight``; why the bounds were not applied, or None). With both bounds off,
+        or fewer than :data:`MIN_BOUNDED` updates, the updates and weights as they are."""
         if not self.on:
-            return list(updates), capped, []
+            return list(updates), list(weights), [], None
+        if len(updates) < MIN_BOUNDED:
+            return list(updates), list(weights), [], f"{len(updates)} update(s): bounds relative to the round need at least {MIN_BOUNDED}"
+        capped = capped_weights(weights, self.max_weight)
         norms = [update_norm(theta, u) for u in updates]
         scales = clip_scales(norms, self.clip_norm)
         out = [clipped(theta, u, s) for u, s in zip(updates, scales)]
-        return out, capped, [{"update-norm": n, "scale": s, "weight": w} for n, s, w in zip(norms, scales, capped)]
+        return out, capped, [{"update-norm": n, "scale": s, "weight": w} for n, s, w in zip(norms, scales, capped)], None

@@ -30,6 +30,7 @@ RoundRecord = TypedDict(
         "multiplier": float | None,  # None: Local (nothing applied)
         "hold-reason": str,
         "bounded": list[Bounded],
+        "bounds-skipped": str,  # why clip-norm / max-weight were not applied this round
         "aggregation-error": float | None,
         "aggregation-error-applied": float | None,
         "privacy": dict[str, Any],

@@ -15,15 +15,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg
 
 from fedopd.models.lora import Named
-from fedtops_strategy.replies import Rejection
 from fedtops_strategy.screening import ReplyScreening
 
 POOLED_CLIENTS = "pooled-clients"  # Centralized's train config: whose rollouts per round it takes
@@ -52,33 +49,31 @@ class LocalTraining(ReplyScreening, FedAvg):
         return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node, group_id=message.metadata.group_id)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        """Keep each checked reply's adapter as its client's, under the partition it holds
-        (:class:`~fedtops_strategy.replies.PartitionClaims`; no partition id: its node id). A reply
-        whose partition claim was refused is left out: whose adapter it is cannot be told."""
+        """Keep each checked reply's adapter as its node's own (by node id, from the metadata), and
+        the partition it last claimed without dispute as its label."""
         kept = self.screen_train_replies(server_round, replies)
-        record = self.records[server_round]
-        disputed = {d["node-id"]: d["reason"] for d in record.get("disputed-partitions", [])}
-        accepted = []
         for reply in kept:
-            if reply.node_id in disputed:
-                why = f"Local keeps an adapter per partition, and {disputed[reply.node_id]}"
-                log(WARNING, "round %d: update of node %d left out: %s", server_round, reply.node_id, why)
-                record["excluded"].append(Rejection(reply.node_id, why).entry())
-                continue
-            accepted.append(reply)
-            self.partitions[reply.node_id] = reply.partition_id if reply.partition_id is not None else reply.node_id
+            if reply.partition_id is not None:  # a disputed claim came back without it: the label stays
+                self.partitions[reply.node_id] = reply.partition_id
             self.client_arrays[reply.node_id] = ArrayRecord({k: Array(np.asarray(v)) for k, v in reply.arrays.items()})
-        record["clients"] = [r.client_entry() for r in accepted]
-        record["trained-node-ids"] = sorted(r.node_id for r in accepted)
-        record["multiplier"] = None
+        self.records[server_round]["multiplier"] = None
         return None, None  # no global adapter: Flower keeps the initial one, which nobody uses
 
     def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
         return self.client_arrays.get(node_id, global_arrays)
 
-    def client_adapters(self) -> dict[int, Named]:
-        """Partition id -> that client's latest adapter (named fp32 arrays)."""
-        return {self.partitions[n]: {k: v.numpy() for k, v in a.items()} for n, a in sorted(self.client_arrays.items())}
+    def client_adapters(self) -> dict[int | str, Named]:
+        """Each client's latest adapter (named fp32 arrays) by its folder label: the partition id it
+        claimed (its node id if it never sent one), or ``node-<node id>`` while another node's
+        label is the same partition (a claim the server cannot verify never overwrites another
+        node's adapter)."""
+        labels = {n: self.partitions.get(n, n) for n in self.client_arrays}
+        taken = [label for label in labels.values()]
+        out: dict[int | str, Named] = {}
+        for n, arrays in sorted(self.client_arrays.items()):
+            label = labels[n] if taken.count(labels[n]) == 1 else f"node-{n}"
+            out[label] = {k: v.numpy() for k, v in arrays.items()}
+        return out
 
 
 class Centralized(ReplyScreening, FedAvg):

@@ -10,7 +10,8 @@ What a typed value guarantees:
 
 * **Identity** comes from the message's metadata (the SuperLink sets the sender), never from its
   content: a metric named ``node-id`` (the key the server writes) is refused. ``partition-id`` is
-  a claim, settled by :class:`PartitionClaims`.
+  a claim: two claims of one partition in a phase are both refused (:func:`settle_partition_claims`),
+  and the replies count without it.
 * **Size** is bounded before anything is decoded, from the lengths of the byte buffers the
   message already holds (no copy): a train reply may hold θ_t's bytes plus :data:`ARRAY_HEADER_BYTES`
   per array and :data:`METRIC_BYTES` of metrics; a score or evaluate reply, :data:`METRIC_BYTES`.
@@ -266,59 +267,31 @@ def parse_evaluate(message, node_id: int, expected: Expected) -> EvaluateReply |
     return EvaluateReply(node_id, weight, partition, metrics)
 
 
-class PartitionClaims:
-    """Which node holds which partition, from the ``partition-id`` the replies claim.
+def settle_partition_claims(replies: Sequence) -> tuple[list, list[dict[str, Any]]]:
+    """(the replies, those whose ``partition-id`` claim was refused without it; one
+    ``disputed-partitions`` entry per refused claim: node, partition, reason).
 
-    A partition id is a claim: the server cannot verify it. A claim stands when no other node holds
-    that partition, the claiming node holds no other one, and no other reply of the same round
-    claims it; it then binds the partition to the node. A claim that does not stand is refused,
-    naming every node involved: two nodes' first claims of one partition in a round are both
-    refused, and a node claiming a partition another node holds is refused alone (so a node that
-    copies an honest client's id can no longer push that client out once it trained). A refused
-    claim leaves the reply without a partition: where a strategy needs none (the average,
-    evaluation) it still counts as the node's own; Local, which keeps an adapter per partition,
-    leaves it out. A node that disconnects gives its partition up (:meth:`forget_except`): a
-    SuperNode that comes back under a new node id can claim it again.
+    A partition id is a claim the server cannot verify. Within one phase of a round, a partition
+    claimed by two or more nodes is refused for all of them, naming every one. A refused claim
+    costs the reply its partition, never its update: the average, the evaluation and Local's
+    per-node adapters still count it as the node's own (its node id comes from the metadata). So
+    copying an honest client's partition id gains a node nothing and pushes nobody out; no claim
+    is remembered across rounds (a first-come binding would let a node that answers first, or
+    while the honest one is away, take the partition for good).
     """
-
-    def __init__(self) -> None:
-        self.holder: dict[int, int] = {}  # partition -> the node that holds it
-
-    def forget_except(self, connected: set[int]) -> None:
-        """Release the partitions of nodes that are no longer connected."""
-        self.holder = {p: n for p, n in self.holder.items() if n in connected}
-
-    def settle(self, replies: Sequence) -> tuple[list, list[dict[str, Any]]]:
-        """(the replies, those whose claim was refused without their partition; one
-        ``disputed-partitions`` entry per refused claim: node, partition, reason)."""
-        held_by = {n: p for p, n in self.holder.items()}
-        reasons: dict[int, str] = {}
-        first: dict[int, list[int]] = {}  # partition -> nodes making a first claim of it this round
-        for r in replies:
-            p = r.partition_id
-            if p is None:
-                continue
-            holder = self.holder.get(p)
-            if holder is not None and holder != r.node_id:
-                reasons[r.node_id] = f"'{PARTITION_KEY}' {p} is held by node {holder}"
-            elif r.node_id in held_by and held_by[r.node_id] != p:
-                reasons[r.node_id] = f"node {r.node_id} holds '{PARTITION_KEY}' {held_by[r.node_id]}, not {p}"
-            elif holder is None:
-                first.setdefault(p, []).append(r.node_id)
-        for p, nodes in first.items():
-            if len(nodes) > 1:
-                for n in nodes:
-                    reasons[n] = f"'{PARTITION_KEY}' {p} is claimed by nodes {', '.join(map(str, sorted(nodes)))} in this round"
-            else:
-                self.holder[p] = nodes[0]
-        out, disputes = [], []
-        for r in replies:
-            if r.node_id in reasons:
-                disputes.append({"node-id": r.node_id, PARTITION_KEY: r.partition_id, "reason": reasons[r.node_id]})
-                metrics = {k: v for k, v in r.metrics.items() if k != PARTITION_KEY}
-                r = replace(r, partition_id=None, metrics=metrics)
-            out.append(r)
-        return out, disputes
+    nodes: dict[int, list[int]] = {}
+    for r in replies:
+        if r.partition_id is not None:
+            nodes.setdefault(r.partition_id, []).append(r.node_id)
+    out, disputes = [], []
+    for r in replies:
+        claimants = nodes.get(r.partition_id, []) if r.partition_id is not None else []
+        if len(claimants) > 1:
+            reason = f"'{PARTITION_KEY}' {r.partition_id} is claimed by nodes {', '.join(map(str, sorted(claimants)))} in this round"
+            disputes.append({"node-id": r.node_id, PARTITION_KEY: r.partition_id, "reason": reason})
+            r = replace(r, partition_id=None, metrics={k: v for k, v in r.metrics.items() if k != PARTITION_KEY})
+        out.append(r)
+    return out, sorted(disputes, key=lambda d: (d[PARTITION_KEY], d["node-id"]))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from fedopd.models.lora import Named, aggregation_errors_from_gram, aggregation_
 from fedtops_strategy.averaging import Average, Averager, PrivateMean, RobustMean, Update, WeightedMean
 from fedtops_strategy.bounds import UpdateBounds, all_finite
 from fedtops_strategy.record import RoundRecord
-from fedtops_strategy.replies import WEIGHT_KEY, Expected, PartitionClaims, Rejection, TrainReply, parse_train
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, Rejection, TrainReply, parse_train, settle_partition_claims
 from fedtops_strategy.sampling import NodeSampler, NodesNotConnected, Silence, missing_replies, reply_nodes
 
 __all__ = ["WEIGHT_KEY", "NodesNotConnected", "ReplyScreening", "missing_replies", "parse_replies", "reply_nodes"]
@@ -118,7 +118,6 @@ class ReplyScreening:
         self.sampler = NodeSampler(sampling_seed, start_timeout)
         self.silence = Silence(skip_after)
         self.limits = Expected(num_partitions=num_partitions, max_examples=max_examples)  # θ_t's shapes join each round
-        self.claims = PartitionClaims()  # which node holds which partition (train and evaluate)
         self.bounds = UpdateBounds(float(clip_norm), float(max_weight))
         self.privacy = privacy  # also FedTOPS's score channel, the ServerApp's ledger
         self.averager: Averager = (
@@ -174,7 +173,6 @@ class ReplyScreening:
         if self.scoring_cache != "round":  # the paper's messages stay as they were
             config["scoring-cache"] = self.scoring_cache
         self.averager.configure_train(config)  # client-side DP: the clipping norm for Flower's mod
-        self.claims.forget_except({int(n) for n in grid.get_node_ids()})
         sampled = self.sampler.sample(self, super().configure_train, server_round, arrays, config, grid, self.sitting_out(server_round))
         messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
@@ -192,7 +190,7 @@ class ReplyScreening:
         expected = Expected.for_train(theta, self.limits.num_partitions, self.limits.max_examples)
         typed, rejected, excluded = parse_replies(self._sent, replies, parse_train, expected, "train")
         self.note_timeouts(server_round, [int(m.metadata.dst_node_id) for m in self._sent], [e["node-id"] for e in excluded])
-        typed, disputes = self.claims.settle(typed)
+        typed, disputes = settle_partition_claims(typed)
         for d in disputes:
             log(WARNING, "round %d: node %d's partition claim refused: %s", server_round, d["node-id"], d["reason"])
         kept = []
@@ -233,8 +231,11 @@ class ReplyScreening:
         mean), else ``num-examples``; then :attr:`bounds` (clip-norm, max-weight). Sets
         :attr:`client_weights`, which Ĵ uses too."""
         weights = [1.0 if self.averager.equal_weights else float(r.num_examples) for r in kept]
-        arrays, capped, bounded = self.bounds.apply(self.theta_arrays(), [r.arrays for r in kept], weights)
+        arrays, capped, bounded, skipped = self.bounds.apply(self.theta_arrays(), [r.arrays for r in kept], weights)
         self.client_weights = {r.node_id: w for r, w in zip(kept, capped)}
+        if skipped:
+            log(WARNING, "round %d: strategy.clip-norm / max-weight not applied: %s", server_round, skipped)
+            self.records[server_round]["bounds-skipped"] = skipped
         if bounded:
             self.records[server_round]["bounded"] = [{"node-id": r.node_id, **b} for r, b in zip(kept, bounded)]
             for r, b, w in zip(kept, bounded, weights):

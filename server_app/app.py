@@ -296,7 +296,6 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
                 # nodes that sit out this round, or the next one after a silence noted this round
                 skip=strategy.sitting_out(server_round) | strategy.sitting_out(server_round + 1),
                 on_silence=lambda asked, silent: strategy.note_timeouts(server_round, asked, silent),
-                claims=strategy.claims,
                 required=(f"avg@{cfg.eval.samples}", f"pass@{cfg.eval.samples}"),
             )
             record["eval_seconds"] = time.perf_counter() - started

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedtops_strategy.replies import WEIGHT_KEY, Expected, PartitionClaims, parse_evaluate
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, settle_partition_claims
 from fedtops_strategy.screening import parse_replies
 
 EVALUATE = "evaluate"
@@ -59,7 +59,6 @@ def evaluate_round(
     max_examples: int | None = None,
     skip: frozenset[int] = frozenset(),
     on_silence: Callable[[list[int], list[int]], None] | None = None,
-    claims: PartitionClaims | None = None,
     required: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     """Evaluate on the connected nodes; the round record's ``evaluation`` (None if no reply).
@@ -67,8 +66,8 @@ def evaluate_round(
     All of them by default; with ``fraction`` < 1 (``eval.fraction``), :func:`evaluation_nodes`.
     Nodes in ``skip`` (sitting out after timeouts, ``timeout.skip-after``) are not asked; replies
     pass the boundary (:func:`fedtops_strategy.replies.parse_evaluate`: partition ids below
-    ``num_partitions``, at most ``max_examples`` examples). ``claims``: the run's partition claims (:class:`~fedtops_strategy.replies.PartitionClaims`,
-    shared with training); a reply whose claim is refused counts without its partition.
+    ``num_partitions``, at most ``max_examples`` examples). Two claims of one partition are both
+    refused (:func:`~fedtops_strategy.replies.settle_partition_claims`); the replies count without it.
     ``required``: the metrics every reply must hold besides ``accuracy`` (the aggregate keeps the
     metrics all clients share, so one client could otherwise drop a metric from it).
     ``on_silence(asked, silent)``: the nodes asked and those that did not answer in time
@@ -88,7 +87,7 @@ def evaluate_round(
     typed, rejected, excluded = parse_replies(messages, replies, parse_evaluate, expected, "evaluate")
     if on_silence is not None:
         on_silence(nodes, [e["node-id"] for e in excluded])
-    typed, disputes = (claims or PartitionClaims()).settle(typed)
+    typed, disputes = settle_partition_claims(typed)
     for r in rejected:
         log(WARNING, "round %d: evaluation reply of node %d ignored: %s", server_round, r.node_id, r.reason)
         excluded.append(r.entry())

@@ -573,13 +573,13 @@ def test_two_first_claims_of_one_partition_are_both_refused_and_both_nodes_still
     assert clients[FIRST_NODE_ID + 2]["partition-id"] == 2
 
 
-def test_a_node_that_claims_a_partition_another_node_holds_is_refused_alone(tmp_path, caplog):
+def test_a_copied_partition_id_in_a_later_round_refuses_both_claims_and_keeps_both_updates(tmp_path, caplog):
     _capture(caplog)
     folder, _ = _run(tmp_path, {(TRAIN, 2): _set_metric("partition-id", 0)}, **{"num-server-rounds": 2})
     records = _check_run(folder, caplog)
-    assert records[1]["disputed-partitions"] == [{"node-id": HOSTILE, "partition-id": 0, "reason": "'partition-id' 0 is held by node 1001"}]
-    clients = {c["node-id"]: c for c in records[1]["clients"]}
-    assert clients[FIRST_NODE_ID]["partition-id"] == 0 and "partition-id" not in clients[HOSTILE]
+    claim = "'partition-id' 0 is claimed by nodes 1001, 1002 in this round"
+    assert records[1]["disputed-partitions"] == [{"node-id": n, "partition-id": 0, "reason": claim} for n in (FIRST_NODE_ID, HOSTILE)]
+    assert records[1]["excluded"] == [] and sorted(c["node-id"] for c in records[1]["clients"]) == list(NODES)
 
 
 def test_under_local_a_claimed_partition_never_replaces_that_clients_saved_adapter(tmp_path, caplog):
@@ -590,18 +590,18 @@ def test_under_local_a_claimed_partition_never_replaces_that_clients_saved_adapt
         forged.update({k: (v + np.float32(0.25)).astype(np.float32) for k, v in arrays.items()})
         return forged
 
-    # Round 1: every node trains its own partition. Round 2: node 1002 claims partition 0, which
-    # node 1001 holds since round 1: node 1002's claim is refused, and Local leaves its update out.
+    # Round 1: every node trains its own partition. Round 2: node 1002 claims partition 0 too: both
+    # claims are refused, both nodes keep training their own adapters, and each folder keeps the
+    # partition its node last claimed without dispute (client-0: node 1001, client-1: node 1002).
     claim = {(TRAIN, 2): lambda msg, honest: _with_content(msg, honest, metrics=lambda m: {**m, "partition-id": 0}, arrays=shifted)}
     folder, grid = _run(tmp_path, claim, **{"strategy.name": "local", "num-server-rounds": 2})
-    records = _check_run(folder, caplog, honest_in_clients=False)
+    records = _check_run(folder, caplog)
     saved = _adapter(folder / "round-002" / "client-0" / "adapter_model.safetensors")
     assert forged and not _same(saved, forged), "client 0's saved adapter is the one node 1002 sent under its partition id"
     honest = {k: v.numpy() for k, v in grid.honest[(TRAIN, 2, FIRST_NODE_ID)].content["arrays"].items()}
     assert _same(saved, honest)
-    assert records[1]["excluded"] == [
-        {"node-id": HOSTILE, "reason": "Local keeps an adapter per partition, and 'partition-id' 0 is held by node 1001"}
-    ]
+    assert _same(_adapter(folder / "round-002" / "client-1" / "adapter_model.safetensors"), forged)  # node 1002's own
+    assert records[1]["excluded"] == [] and [d["node-id"] for d in records[1]["disputed-partitions"]] == [FIRST_NODE_ID, HOSTILE]
 
 
 @pytest.mark.parametrize("dtype", ["str", "complex64", "float16"])

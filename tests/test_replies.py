@@ -32,13 +32,13 @@ from fedtops_strategy.replies import (
     MAX_REASON_CHARS,
     EvaluateReply,
     Expected,
-    PartitionClaims,
     Rejection,
     ScoreReply,
     TrainReply,
     parse_evaluate,
     parse_score,
     parse_train,
+    settle_partition_claims,
 )
 
 # This module's settings (not a global profile: loading one would change other modules' tests).
@@ -263,33 +263,21 @@ def test_a_node_id_in_the_metrics_is_refused_whatever_its_value():
         assert isinstance(result, Rejection) and "'node-id' is reserved" in result.reason
 
 
-def _claims(claims: PartitionClaims, pairs) -> tuple[dict, list]:
-    replies, disputes = claims.settle([TrainReply(n, 5, p, dict(THETA), {"partition-id": p}) for n, p in pairs])
-    return {r.node_id: r.partition_id for r in replies}, [(d["node-id"], d["reason"]) for d in disputes]
+def _claims(pairs) -> tuple[dict, list]:
+    replies, disputes = settle_partition_claims([TrainReply(n, 5, p, dict(THETA), {"partition-id": p, "loss": 0.5}) for n, p in pairs])
+    return {r.node_id: (r.partition_id, r.metrics) for r in replies}, [(d["node-id"], d["reason"]) for d in disputes]
 
 
-def test_two_first_claims_of_one_partition_are_both_refused_naming_both_nodes():
-    kept, refused = _claims(PartitionClaims(), [(1001, 0), (1002, 1), (1003, 1)])
-    assert kept == {1001: 0, 1002: None, 1003: None}  # the replies stay, without the refused claim
+def test_two_claims_of_one_partition_are_both_refused_and_the_replies_stay_without_it():
+    kept, refused = _claims([(1001, 0), (1002, 1), (1003, 1)])
+    assert kept == {1001: (0, {"partition-id": 0, "loss": 0.5}), 1002: (None, {"loss": 0.5}), 1003: (None, {"loss": 0.5})}
     assert refused == [(n, "'partition-id' 1 is claimed by nodes 1002, 1003 in this round") for n in (1002, 1003)]
 
 
-def test_a_held_partition_stays_with_its_node_and_another_nodes_claim_is_refused_alone():
-    claims = PartitionClaims()
-    _claims(claims, [(1001, 0), (1002, 1)])
-    kept, refused = _claims(claims, [(1001, 0), (1002, 0)])
-    assert kept == {1001: 0, 1002: None}
-    assert refused == [(1002, "'partition-id' 0 is held by node 1001")]
-    kept, refused = _claims(claims, [(1001, 2)])  # a node that holds one partition claims another
-    assert kept == {1001: None} and refused == [(1001, "node 1001 holds 'partition-id' 0, not 2")]
-
-
-def test_a_disconnected_nodes_partition_can_be_claimed_again():
-    claims = PartitionClaims()
-    _claims(claims, [(1001, 0)])
-    claims.forget_except({1002})
-    kept, refused = _claims(claims, [(1002, 0)])
-    assert kept == {1002: 0} and refused == []
+def test_claims_are_settled_per_round_and_never_remembered():
+    # A node that claimed a partition first holds nothing afterwards: no first-come binding.
+    assert _claims([(1002, 0)])[1] == []
+    assert _claims([(1001, 0)]) == ({1001: (0, {"partition-id": 0, "loss": 0.5})}, [])
 
 
 @PROFILE

@@ -383,15 +383,43 @@ def test_the_round_line_of_a_held_round_with_a_non_finite_score_says_so():
     assert "a = 1 | J(a) = - |" in line and line.endswith("(1 skipped) (held: see the WARNING above)")
 
 
-def test_with_two_clients_one_huge_update_cannot_raise_its_own_clipping_bar():
-    # Norms: node 1 sqrt(4.5) (Δ 0.5 on 6 entries, 1.0 on 3), node 2 3e6 (HUGE). The lower median is
-    # node 1's norm, so node 2 is scaled to 2 sqrt(4.5); numpy's median (their mean, ~1.5e6) would
-    # have let it keep half its norm.
+def test_with_two_clients_the_bounds_are_not_applied_and_the_record_says_why():
+    # Two updates: any bar relative to the round is one of them. The lower median would be the
+    # smaller norm, so a zero update would scale the other to 0; the mean would let a huge one
+    # keep half its norm. The round averages them as they are and says so.
     strategy = LoRAFedAvg(clip_norm=2.0, **_common(2))
-    _run(strategy, FakeGrid({1: HONEST[1], 2: HUGE}, {1: 1, 2: 1}))
-    [b1, b2] = strategy.records[1]["bounded"]
-    assert b1["scale"] == 1.0
-    assert b2["scale"] * b2["update-norm"] == pytest.approx(2 * math.sqrt(4.5), rel=1e-9)
+    new = _run(strategy, FakeGrid({1: HONEST[1], 2: THETA}, {1: 1, 2: 1}))  # node 2 returns θ_t: a zero update
+    record = strategy.records[1]
+    assert record["bounds-skipped"] == "2 update(s): bounds relative to the round need at least 3"
+    assert "bounded" not in record
+    np.testing.assert_allclose(new[0], 0.5 + 0.5 / 2, rtol=1e-7)  # node 1's Δ 0.5, halved by the mean, not by a bound
+
+
+def test_with_three_clients_a_zero_update_cannot_lower_the_clipping_bar():
+    # Norms sqrt(4.5) (node 1), sqrt(25.5) (node 2), 0 (node 3): the lower median is sqrt(4.5), an
+    # honest norm, not node 3's 0. With c = 2 the bar is 2 sqrt(4.5): node 2 is scaled by
+    # 2 sqrt(4.5) / sqrt(25.5) = 0.840, node 1 (and the zero update) not at all.
+    strategy = LoRAFedAvg(clip_norm=2.0, **_common(3))
+    _run(strategy, FakeGrid({**HONEST, 3: THETA}, EQUAL))
+    scales = [b["scale"] for b in strategy.records[1]["bounded"]]
+    assert scales[0] == 1.0 and scales[2] == 1.0
+    assert scales[1] == pytest.approx(2 * math.sqrt(4.5) / math.sqrt(25.5), rel=1e-9)
+
+
+def test_with_four_clients_one_huge_update_cannot_raise_its_own_clipping_bar():
+    # Norms sqrt(4.5), sqrt(4.5), sqrt(25.5), 3e6: the lower median is sqrt(4.5) (numpy's median
+    # would be (sqrt(4.5) + sqrt(25.5)) / 2); the huge update is scaled to 2 sqrt(4.5).
+    strategy = LoRAFedAvg(clip_norm=2.0, **_common(4))
+    _run(strategy, FakeGrid({1: HONEST[1], 2: HONEST[2], 3: HONEST[1], 4: HUGE}, {1: 1, 2: 1, 3: 1, 4: 1}))
+    b4 = strategy.records[1]["bounded"][3]
+    assert b4["node-id"] == 4 and b4["scale"] * b4["update-norm"] == pytest.approx(2 * math.sqrt(4.5), rel=1e-9)
+
+
+def test_bounds_with_fewer_than_three_clients_per_round_are_refused():
+    with pytest.raises(ConfigError, match="'strategy.clip-norm' = 2.0 bounds each update by the round's median, which needs at least 3"):
+        parse_run_config({"strategy.clip-norm": 2.0, "num-clients": 2})
+    with pytest.raises(ConfigError, match="'strategy.max-weight' = 2.0"):
+        parse_run_config({"strategy.max-weight": 2.0, "num-clients": 3, "strategy.fraction-train": 0.5})
 
 
 def test_the_lower_median_is_the_smaller_middle_value():

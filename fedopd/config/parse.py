@@ -209,6 +209,15 @@ def _check_robustness(cfg: RunConfig) -> None:
             "acts on FedTOPS's score replies",
             f"strategy.name one of {_registered('score_phase')}",
         )
+    if (s.clip_norm or s.max_weight) and cfg.num_clients:
+        per_round = max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+        if per_round < 3:
+            key, value = ("strategy.clip-norm", s.clip_norm) if s.clip_norm else ("strategy.max-weight", s.max_weight)
+            raise ConfigError(
+                f"run config '{key}' = {value!r} bounds each update by the round's median, which needs at least 3 clients "
+                f"per round (with {per_round}, either one sets the bar: a zero update would scale the other to 0); "
+                f"allowed: 0, or at least 3 clients per round"
+            )
     uses_trim = [k for k, v in (("strategy.aggregator", s.aggregator), ("strategy.score-aggregate", s.score_aggregate)) if v == "trimmed-mean"]
     if uses_trim and cfg.num_clients:
         per_round = max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
