@@ -211,7 +211,7 @@ def parse_train(message, node_id: int, expected: Expected) -> TrainReply | Rejec
     if len(arrays_records) != 1 or len(metric_records) != 1 or len(content.config_records) != 0:
         raise _Refused(f"expected one ArrayRecord and one MetricRecord, got {len(arrays_records)} and {len(metric_records)}" + _others(content))
     metrics = _metrics(metric_records[0], expected, vectors=())
-    weight, partition = _weight_and_partition(metrics, expected, required=True)
+    weight, partition = _weight_and_partition(metrics, expected)
     for key in sorted(TRAIN_SCALARS & set(metrics)):
         if isinstance(metrics[key], list):
             raise _Refused(f"metric '{key}' is a list: expected a number")
@@ -234,7 +234,7 @@ def parse_score(message, node_id: int, expected: Expected) -> ScoreReply | Rejec
     if not isinstance(j, list) or not isinstance(c, list) or len(j) != k or len(c) != k:
         raise _Refused(f"expected {k} teacher and change scores")
     if WEIGHT_KEY in metrics:  # never read (Ĵ is weighted by the train reply), but it must be a weight
-        _weight_and_partition({WEIGHT_KEY: metrics[WEIGHT_KEY]}, Expected(), required=True, what="(or none: Ĵ is weighted by the train reply)")
+        _weight_and_partition({WEIGHT_KEY: metrics[WEIGHT_KEY]}, Expected(), what="(or none: Ĵ is weighted by the train reply)")
     teacher = _kl_values(j, "teacher scores")
     change = _kl_values(c, "change scores")
     for a in range(k):  # a candidate a client cannot score is infeasible for it, on both counts
@@ -258,7 +258,7 @@ def parse_evaluate(message, node_id: int, expected: Expected) -> EvaluateReply |
         if key not in metrics:
             # a client that leaves a metric out would otherwise drop it from the federation's aggregate
             raise _Refused(f"'{key}' is missing")
-    weight, partition = _weight_and_partition(metrics, expected, required=True)
+    weight, partition = _weight_and_partition(metrics, expected)
     for key, value in metrics.items():
         if isinstance(value, list):
             raise _Refused(f"metric '{key}' is a list: evaluation metrics are averaged over clients, expected a number")
@@ -363,7 +363,7 @@ def _metrics(record, expected: Expected, vectors: Sequence[str]) -> dict[str, Me
     return out
 
 
-def _weight_and_partition(metrics: Mapping[str, Metric], expected: Expected, *, required: bool, what: str = "") -> tuple[int, int | None]:
+def _weight_and_partition(metrics: Mapping[str, Metric], expected: Expected, what: str = "") -> tuple[int, int | None]:
     weight = metrics.get(WEIGHT_KEY)
     if not (_integer(weight) and weight > 0):
         raise _Refused(f"'{WEIGHT_KEY}' is {_show(weight)}: expected a positive integer" + (f" {what}" if what else ""))

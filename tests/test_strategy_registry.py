@@ -41,11 +41,61 @@ class HalfStep(ReplyScreening, FedAvg):
 
 @pytest.fixture()
 def half_step():
-    from fedtops_strategy.factory import STRATEGIES, register_strategy
+    from fedtops_strategy.factory import CAPABILITIES, STRATEGIES, register_strategy
 
     register_strategy("half-step", lambda cfg, common: HalfStep(**common))
     yield "half-step"
     STRATEGIES.pop("half-step")
+    CAPABILITIES.pop("half-step")
+
+
+@pytest.fixture()
+def registered():
+    """Register builders with declared capabilities for one test; removed afterwards."""
+    from fedtops_strategy.factory import CAPABILITIES, STRATEGIES, register_strategy
+
+    names = []
+
+    def register(name, capabilities):
+        register_strategy(name, lambda cfg, common: HalfStep(**common), capabilities)
+        names.append(name)
+        return name
+
+    yield register
+    for name in names:
+        STRATEGIES.pop(name)
+        CAPABILITIES.pop(name)
+
+
+def test_the_run_config_refuses_what_a_strategy_declares_it_does_not_support(registered):
+    from fedopd.config import ConfigError
+    from fedtops_strategy.factory import Capabilities
+
+    plain = registered("plain-average", Capabilities())
+    solo = registered("no-average", Capabilities(averages=False, private=False))
+    scoring = registered("scoring-variant", Capabilities(score_phase=True))
+    # An averaging strategy takes the robustness keys, whatever its name; one that declares no average does not.
+    assert parse_run_config({"strategy.name": plain, "strategy.clip-norm": 2.0}).strategy.clip_norm == 2.0
+    with pytest.raises(ConfigError, match="'strategy.clip-norm' = 2.0 acts on the average of client updates, which 'strategy.name' = 'no-average'"):
+        parse_run_config({"strategy.name": solo, "strategy.clip-norm": 2.0})
+    # The score keys follow the declared score phase, not the name 'fedtops'.
+    assert parse_run_config({"strategy.name": scoring, "strategy.max-vetoes": 1}).strategy.max_vetoes == 1
+    with pytest.raises(ConfigError, match="'strategy.max-vetoes' = 1 acts on FedTOPS's score replies"):
+        parse_run_config({"strategy.name": plain, "strategy.max-vetoes": 1})
+    # Privacy follows the declaration too.
+    private = {"privacy.clipping": "fixed", "privacy.noise-multiplier": 1.0}
+    assert parse_run_config({"strategy.name": plain, **private}).privacy.clipping == "fixed"
+    with pytest.raises(ConfigError, match="'strategy.name' = 'no-average'"):
+        parse_run_config({"strategy.name": solo, **private})
+
+
+def test_every_built_in_strategy_declares_its_capabilities():
+    from fedtops_strategy.factory import CAPABILITIES, STRATEGIES
+
+    assert set(CAPABILITIES) == set(STRATEGIES)
+    assert [n for n in STRATEGIES if CAPABILITIES[n].score_phase] == ["fedtops", "fedtops-se", "fedtops-heldout-cache"]
+    assert [n for n in STRATEGIES if CAPABILITIES[n].per_client_adapters] == ["local"]
+    assert not CAPABILITIES["fedtops-se"].private  # its standard errors travel unprotected
 
 
 @pytest.mark.slow
