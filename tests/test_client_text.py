@@ -26,7 +26,7 @@ from server_app.log_lines import MAX_SAMPLED, reply_summary
 from server_app.run_folder import BODY_MARK, CLIENT_ERRORS, RunFolder
 
 UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
-FIXED = settings(max_examples=200, derandomize=True, deadline=None)
+FIXED = settings(max_examples=200, derandomize=True, deadline=None, database=None)
 
 PIECES = [
     "\n",
