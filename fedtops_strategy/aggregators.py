@@ -1,6 +1,6 @@
 """The average under fedavg, fixed and FedTOPS, by name (``strategy.aggregator``): Flower's own.
 
-``fedavg`` is the strategy's own Flower ``FedAvg`` (FedAvgM for ``fixed``): the
+``fedavg`` is Flower's FedAvg mean (:class:`~fedtops_strategy.averaging.WeightedMean`): the
 ``num-examples``-weighted mean of the screened updates, the paper's Δ_t. The others are Flower's
 robust strategies, whose ``aggregate_train`` is used as is on the screened replies:
 
@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Krum, Mult
 
 from fedopd.core.settings import StrategySettings
 
-# name -> a Flower strategy whose aggregate_train forms the average (None: the strategy's own FedAvg)
+# name -> a Flower strategy whose aggregate_train forms the average (None: Flower's FedAvg mean, averaging.WeightedMean)
 AGGREGATORS: dict[str, Callable[[StrategySettings], FedAvg] | None] = {
     "fedavg": None,
     "median": lambda s: FedMedian(),

@@ -124,7 +124,7 @@ def make_strategy(
     min_train_nodes)`` nodes drawn at random (``strategy.fraction-train``,
     ``strategy.min-train-clients``; Centralized: one learner with the rollouts of that many). The
     first round waits until ``num_clients`` nodes are connected. The draw of round t depends only
-    on ``seed``, t and the connected node ids (:meth:`ReplyScreening.configure_train`).
+    on ``seed``, t and the connected node ids (:class:`fedtops_strategy.sampling.NodeSampler`).
 
     Every setting goes to the constructor (``common``): the robustness settings
     (``strategy.aggregator``, ``clip-norm``, ``max-weight``; ``timeouts``'s ``start`` and

@@ -26,7 +26,7 @@ RoundRecord = TypedDict(
         "trained-node-ids": list[int],
         "clients": list[dict[str, Any]],  # {"node-id" (from metadata), then the reply's checked metrics}
         "excluded": list[Excluded],
-        "disputed-partitions": list[dict[str, Any]],  # refused partition claims (replies.PartitionClaims)
+        "disputed-partitions": list[dict[str, Any]],  # refused partition claims (replies.settle_partition_claims)
         "multiplier": float | None,  # None: Local (nothing applied)
         "hold-reason": str,
         "bounded": list[Bounded],
