@@ -18,6 +18,7 @@ only the arrays and the weight (and the norm bit for adaptive client-side clippi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -51,7 +52,7 @@ class Average:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-class Averager:
+class Averager(ABC):
     """Forms the round's average of the checked updates; the hooks let an averager take part in
     the round without the strategy knowing which one runs (their defaults do nothing)."""
 
@@ -71,8 +72,9 @@ class Averager:
         """What an update carries to the average besides its weight (adaptive client-side DP: the norm bit)."""
         return {}
 
+    @abstractmethod
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
-        raise NotImplementedError
+        """The average of ``updates`` (θ_{t,i}^+, not increments) around ``theta`` (θ_t)."""
 
 
 def as_message(update: Update) -> Message:

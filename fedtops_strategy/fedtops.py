@@ -42,7 +42,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedopd.models import lora
 from fedtops_strategy.replies import SCORE_NEGATIVE_TOL, Expected, ScoreReply, parse_score
 from fedtops_strategy.screening import ReplyScreening, parse_replies
 from fedtops_strategy.selection import select_round, vetoes
@@ -125,8 +124,7 @@ class FedTOPS(ReplyScreening, FedAvg):
         if mean is None:
             self.apply_multiplier(server_round, 0.0)
             return None, None
-        delta = lora.increment(mean, self.theta_arrays())
-        self.increment = ArrayRecord({k: Array(d) for k, d in delta.items()})
+        self.increment = ArrayRecord({k: Array(d) for k, d in self.delta.items()})
         return ArrayRecord({k: Array(np.asarray(v)) for k, v in mean.items()}), None
 
     def configure_score(self, server_round: int, increment: ArrayRecord, grid: Grid) -> Iterable[Message]:

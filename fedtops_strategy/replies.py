@@ -222,13 +222,7 @@ def parse_train(message, node_id: int, expected: Expected) -> TrainReply | Rejec
 @_guarded
 def parse_score(message, node_id: int, expected: Expected) -> ScoreReply | Rejection:
     """One score reply: a MetricRecord with one Ĵ_i(a) and one K̂_i(a) per candidate."""
-    _check_error(message)
-    content = message.content
-    _check_size(content, METRIC_BYTES)
-    records = list(content.metric_records.values())
-    if len(records) != 1 or len(content.array_records) or len(content.config_records):
-        raise _Refused("expected one MetricRecord" + _others(content))
-    metrics = _metrics(records[0], expected, vectors=(TEACHER_SCORES, CHANGE_SCORES, SCORE_SE))
+    metrics = _only_metrics(message, expected, vectors=(TEACHER_SCORES, CHANGE_SCORES, SCORE_SE))
     k = expected.num_candidates
     j, c = metrics.get(TEACHER_SCORES), metrics.get(CHANGE_SCORES)
     if not isinstance(j, list) or not isinstance(c, list) or len(j) != k or len(c) != k:
@@ -247,13 +241,7 @@ def parse_score(message, node_id: int, expected: Expected) -> ScoreReply | Rejec
 @_guarded
 def parse_evaluate(message, node_id: int, expected: Expected) -> EvaluateReply | Rejection:
     """One evaluate reply: a MetricRecord of finite numbers with ``accuracy`` and the weight."""
-    _check_error(message)
-    content = message.content
-    _check_size(content, METRIC_BYTES)
-    records = list(content.metric_records.values())
-    if len(records) != 1 or len(content.array_records) or len(content.config_records):
-        raise _Refused("expected one MetricRecord" + _others(content))
-    metrics = _metrics(records[0], expected, vectors=())
+    metrics = _only_metrics(message, expected, vectors=())
     for key in ("accuracy", *expected.required):
         if key not in metrics:
             # a client that leaves a metric out would otherwise drop it from the federation's aggregate
@@ -302,6 +290,18 @@ def settle_partition_claims(replies: Sequence) -> tuple[list, list[dict[str, Any
 def _check_error(message) -> None:
     if message.has_error():
         raise _Refused(f"error reply: {escape(message.error.reason, MAX_REASON_CHARS)}")
+
+
+def _only_metrics(message, expected: Expected, vectors: Sequence[str]) -> dict[str, Metric]:
+    """The checked metrics of a reply that must hold one MetricRecord and nothing else (score,
+    evaluate): not an error, within :data:`METRIC_BYTES`, then :func:`_metrics`."""
+    _check_error(message)
+    content = message.content
+    _check_size(content, METRIC_BYTES)
+    records = list(content.metric_records.values())
+    if len(records) != 1 or len(content.array_records) or len(content.config_records):
+        raise _Refused("expected one MetricRecord" + _others(content))
+    return _metrics(records[0], expected, vectors=vectors)
 
 
 def content_bytes(content) -> int:

@@ -131,6 +131,7 @@ class ReplyScreening:
         self.round_started = 0.0
         self.kept: list[TrainReply] = []  # the round's checked train replies, in the record's order
         self.mean: Named | None = None  # the round's average (None: nothing averaged)
+        self.delta: Named | None = None  # Δ_t = mean − θ_t, formed once per round
         self._aggregation: tuple[np.ndarray, list[float]] | None = None  # the round's aggregation Gram matrix and client weights
         self.client_weights: dict[int, float] = {}  # node -> its weight in the round's average (Ĵ uses the same)
 
@@ -277,11 +278,12 @@ class ReplyScreening:
             log(WARNING, "round %d holds: the average of the kept updates is not finite (θ_t kept)", server_round)
             record["hold-reason"] = "the averaged adapter is not finite"
             self.mean = None
+        self.delta = None if self.mean is None else lora.increment(self.mean, self.theta_arrays())
         return self.mean
 
     # -- the step, in one place ------------------------------------------------------------------
     def apply_multiplier(self, server_round: int, multiplier: float) -> ArrayRecord:
-        """θ_{t+1} = θ_t + a·Δ_t with Δ_t = :attr:`mean` − θ_t, in fp32, from θ_t; the record's
+        """θ_{t+1} = θ_t + a·Δ_t with Δ_t = :attr:`delta` (:attr:`mean` − θ_t), in fp32, from θ_t; the record's
         ``multiplier``. A result that is not finite holds the round (θ_t kept, ``hold-reason``)."""
         record = self.records[server_round]
         theta = self.theta_arrays()
@@ -290,7 +292,7 @@ class ReplyScreening:
             multiplier = 0.0
             record.setdefault("hold-reason", "no valid client update")
         elif multiplier != 0.0:
-            new = lora.apply_increment(theta, lora.increment(self.mean, theta), multiplier)
+            new = lora.apply_increment(theta, self.delta, multiplier)
             if not all_finite(new):
                 log(WARNING, "round %d holds: θ_t + %g Δ_t is not finite (θ_t kept)", server_round, multiplier)
                 record["hold-reason"] = f"θ_t + {multiplier:g} Δ_t is not finite"

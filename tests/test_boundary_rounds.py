@@ -512,31 +512,32 @@ def _capture(caplog) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _one_generated_reply(tmp_path, caplog, phase, plan, **overrides) -> list[dict]:
+    """A run in which node HOSTILE answers ``phase`` (of round 1; evaluate: every evaluation) with
+    ``plan``'s reply; the boundary's promises checked on it (:func:`_check_run`)."""
+    _capture(caplog)
+    claims: list = []
+    key = (phase, None if phase == EVALUATE else 1)
+    folder, _ = _run(_example_dir(tmp_path), {key: _forger(plan, claims)}, **overrides)
+    return _check_run(folder, caplog, collided=_collided(claims))
+
+
 @settings(PROFILE)
 @given(plan=train_plans)
 def test_any_train_reply_of_one_node_leaves_the_round_complete_and_the_record_clean(tmp_path, caplog, plan):
-    _capture(caplog)
-    claims: list = []
-    folder, _ = _run(_example_dir(tmp_path), {(TRAIN, 1): _forger(plan, claims)})
-    _check_run(folder, caplog, collided=_collided(claims))
+    _one_generated_reply(tmp_path, caplog, TRAIN, plan)
 
 
 @settings(PROFILE)
 @given(plan=score_plans)
 def test_any_score_reply_of_one_node_leaves_the_round_complete_and_the_record_clean(tmp_path, caplog, plan):
-    _capture(caplog)
-    claims: list = []
-    folder, _ = _run(_example_dir(tmp_path), {(SCORE, 1): _forger(plan, claims)})
-    _check_run(folder, caplog, collided=_collided(claims))
+    _one_generated_reply(tmp_path, caplog, SCORE, plan)
 
 
 @settings(PROFILE)
 @given(plan=evaluate_plans)
 def test_any_evaluate_reply_of_one_node_leaves_the_round_complete_and_the_record_clean(tmp_path, caplog, plan):
-    _capture(caplog)
-    claims: list = []
-    folder, _ = _run(_example_dir(tmp_path), {(EVALUATE, None): _forger(plan, claims)}, **EVALUATION)
-    records = _check_run(folder, caplog, collided=_collided(claims))
+    records = _one_generated_reply(tmp_path, caplog, EVALUATE, plan, **EVALUATION)
     assert [r["round"] for r in records] == [0, 1] and all("evaluation" in r for r in records)
 
 

@@ -162,6 +162,16 @@ def _metrics_allowed(metrics: dict, vectors=()) -> bool:
 # -- train --------------------------------------------------------------------------------------
 
 
+def _train_content(arrays: dict, **metrics) -> RecordDict:
+    """A train reply's content: ``arrays`` (numpy arrays or ready Flower Arrays, by key; θ's own
+    for the keys left out, in θ's order unless ``arrays`` gives every key) and ``num-examples`` 5
+    with ``metrics``."""
+    keys = list(arrays) if set(arrays) >= set(THETA) else list(THETA)
+    record = {k: arrays.get(k, THETA.get(k)) for k in keys}
+    items = {k: v if isinstance(v, Array) else Array(np.asarray(v)) for k, v in record.items()}
+    return RecordDict({"arrays": ArrayRecord(items), "metrics": MetricRecord({"num-examples": 5, **metrics})})
+
+
 @st.composite
 def near_valid_train(draw):
     """θ_t's keys and shapes in float32 (values anywhere, non-finite included), and metrics that are
@@ -222,21 +232,14 @@ def test_an_honest_train_reply_is_accepted_with_its_values_unchanged(values, wei
 )
 def test_arrays_of_any_dtype_but_little_endian_float32_are_refused(dtype):
     arrays = {k: np.ones(v.shape).astype(dtype) for k, v in THETA.items()}
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}), "metrics": MetricRecord({"num-examples": 5})})
-    result = parse_train(_reply(content, "train"), NODE, TRAIN)
+    result = parse_train(_reply(_train_content(arrays), "train"), NODE, TRAIN)
     assert isinstance(result, Rejection) and "expected" in result.reason and "float32" in result.reason
 
 
 def test_an_array_whose_header_lies_about_its_shape_is_refused_before_decoding():
     a = Array(np.ones((3, 2), np.float32))
     a.shape = (2, 3)  # the metadata says θ's shape; the .npy header says (3, 2)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord({"l.lora_A.weight": a, "l.lora_B.weight": Array(THETA["l.lora_B.weight"])}),
-            "metrics": MetricRecord({"num-examples": 5}),
-        }
-    )
-    result = parse_train(_reply(content, "train"), NODE, TRAIN)
+    result = parse_train(_reply(_train_content({"l.lora_A.weight": a}), "train"), NODE, TRAIN)
     assert isinstance(result, Rejection) and "(3, 2)" in result.reason
 
 
@@ -244,22 +247,13 @@ def test_a_reply_larger_than_theta_allows_is_refused_without_decoding_it():
     # θ: 12 float32 = 48 bytes; the bound is 48 + 2 headers of 1 KiB + 64 KiB of metrics = 67,632.
     assert TRAIN.max_bytes == 48 + 2 * 1024 + 65536
     big = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=b"\0" * 100_000)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord({"l.lora_A.weight": big, "l.lora_B.weight": Array(THETA["l.lora_B.weight"])}),
-            "metrics": MetricRecord({"num-examples": 5}),
-        }
-    )
-    result = parse_train(_reply(content, "train"), NODE, TRAIN)
+    result = parse_train(_reply(_train_content({"l.lora_A.weight": big}), "train"), NODE, TRAIN)
     assert isinstance(result, Rejection) and "more than this phase allows (67632)" in result.reason
 
 
 def test_a_node_id_in_the_metrics_is_refused_whatever_its_value():
     for value in ([1, 2], 1001.0, 1003):
-        content = RecordDict(
-            {"arrays": ArrayRecord({k: Array(v) for k, v in THETA.items()}), "metrics": MetricRecord({"num-examples": 5, "node-id": value})}
-        )
-        result = parse_train(_reply(content, "train"), NODE, TRAIN)
+        result = parse_train(_reply(_train_content({}, **{"node-id": value}), "train"), NODE, TRAIN)
         assert isinstance(result, Rejection) and "'node-id' is reserved" in result.reason
 
 
@@ -355,10 +349,6 @@ def test_the_evaluate_parser_never_raises_and_accepts_only_percentages_and_finit
     assert _metrics_allowed(result.metrics)
 
 
-def _train_content(arrays: dict, **metrics) -> RecordDict:
-    return RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}), "metrics": MetricRecord({"num-examples": 5, **metrics})})
-
-
 def test_a_fortran_ordered_array_is_refused():
     arrays = {k: np.asfortranarray(np.ones(v.shape, np.float32)) for k, v in THETA.items()}
     result = parse_train(_reply(_train_content(arrays), "train"), NODE, TRAIN)
@@ -368,13 +358,7 @@ def test_a_fortran_ordered_array_is_refused():
 def test_an_array_with_bytes_beyond_its_shape_is_refused():
     a = Array(THETA["l.lora_A.weight"])
     a.data = a.data + b"\0" * 4  # header (2, 3) float32: 24 bytes; 28 follow it
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord({"l.lora_A.weight": a, "l.lora_B.weight": Array(THETA["l.lora_B.weight"])}),
-            "metrics": MetricRecord({"num-examples": 5}),
-        }
-    )
-    result = parse_train(_reply(content, "train"), NODE, TRAIN)
+    result = parse_train(_reply(_train_content({"l.lora_A.weight": a}), "train"), NODE, TRAIN)
     assert isinstance(result, Rejection) and "holds 28 bytes of data: (2, 3) float32 takes 24" in result.reason
 
 

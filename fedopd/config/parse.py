@@ -191,6 +191,13 @@ def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, i
             raise ConfigError(f"run config '{key}' = {getattr(settings, attr)!r} {why}; allowed: its default {getattr(base, attr)!r}, or {instead}")
 
 
+def _clients_per_round(cfg: RunConfig) -> int:
+    """The clients a round trains when ``num-clients`` are connected: Flower's FedAvg sample size
+    (as ``fedtops_strategy.factory.make_strategy`` sets it up)."""
+    s = cfg.strategy
+    return max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+
+
 def _check_robustness(cfg: RunConfig) -> None:
     """The robustness keys make sense only where updates are averaged, or scored (FedTOPS)."""
     s = cfg.strategy
@@ -210,7 +217,7 @@ def _check_robustness(cfg: RunConfig) -> None:
             f"strategy.name one of {_registered('score_phase')}",
         )
     if (s.clip_norm or s.max_weight) and cfg.num_clients:
-        per_round = max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+        per_round = _clients_per_round(cfg)
         if per_round < 3:
             key, value = ("strategy.clip-norm", s.clip_norm) if s.clip_norm else ("strategy.max-weight", s.max_weight)
             raise ConfigError(
@@ -220,7 +227,7 @@ def _check_robustness(cfg: RunConfig) -> None:
             )
     uses_trim = [k for k, v in (("strategy.aggregator", s.aggregator), ("strategy.score-aggregate", s.score_aggregate)) if v == "trimmed-mean"]
     if uses_trim and cfg.num_clients:
-        per_round = max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+        per_round = _clients_per_round(cfg)
         if int(s.trim_fraction * per_round) == 0:
             fix = (
                 f"a value with floor(value × {per_round}) >= 1 (one client cut at each end), e.g. {math.ceil(100 / per_round) / 100:g}"
