@@ -448,3 +448,33 @@ def test_a_trimmed_mean_that_would_cut_nobody_is_refused(overrides, message):
 def test_a_trimmed_mean_that_cuts_one_client_at_each_end_is_accepted():
     cfg = parse_run_config({"strategy.aggregator": "trimmed-mean", "num-clients": 3, "strategy.trim-fraction": 0.34})
     assert cfg.strategy.trim_fraction == 0.34
+
+
+def test_under_local_two_nodes_whose_last_claims_are_one_partition_are_saved_under_their_node_ids():
+    from fedtops_strategy import LocalTraining
+
+    updates = {1: HONEST[1], 2: HONEST[2]}
+    strategy = LocalTraining(**_common(2))
+    claims = {("train", 1): {"partition-id": 0}, ("train", 2): {"partition-id": 1}}
+    _run_round(strategy, FakeGrid(updates, {1: 1, 2: 1}, extra=claims), 1)
+    assert sorted(strategy.client_adapters()) == [0, 1]
+    # Round 2: node 1 stays silent and node 2 claims partition 0, undisputed in that round. Its label
+    # becomes 0 while node 1's is still 0: neither folder may be client-0, or one adapter overwrites the other.
+    _run_round(strategy, FakeGrid(updates, {1: 1, 2: 1}, extra={("train", 2): {"partition-id": 0}}, lost={1: ("train", "silent")}), 2)
+    adapters = strategy.client_adapters()
+    assert sorted(adapters) == ["node-1", "node-2"]
+    assert np.array_equal(adapters["node-1"]["layer.lora_A.weight"], np.asarray(HONEST[1][0], np.float32))
+
+
+def test_a_trimmed_mean_that_cuts_nobody_in_a_round_says_so(caplog):
+    from flwr.serverapp.strategy import FedTrimmedAvg
+
+    from fedtops_strategy.averaging import RobustMean, Update
+
+    theta = {"w": np.zeros(2, np.float32)}
+    updates = [Update(n, {"w": np.full(2, float(n), np.float32)}, 1) for n in (1, 2, 3)]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        RobustMean(FedTrimmedAvg(beta=0.2)).average(4, updates, theta)  # floor(0.2 × 3) = 0
+        RobustMean(FedTrimmedAvg(beta=0.34)).average(5, updates, theta)  # floor(0.34 × 3) = 1
+    warned = [r.getMessage() for r in caplog.records if "cuts none" in r.getMessage()]
+    assert warned == ["round 4: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it is the plain mean"]
