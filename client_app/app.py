@@ -22,11 +22,10 @@ strategy's name (:mod:`client_app.handlers`).
 
 from __future__ import annotations
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.common.constant import ErrorCode
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
 
 from fedopd.config import parse_run_config
 
@@ -79,22 +78,49 @@ def _replace_state(state: RecordDict, new: RecordDict) -> None:
         state[key] = value
 
 
-# privacy.side = 'client': the train message names which of Flower's clipping mods clips the reply
-# (fedtops_strategy/privacy.py sets both keys); without them the reply goes out as the handler made it.
-CLIPPING_MODS = {"fixed": fixedclipping_mod, "adaptive": adaptiveclipping_mod}
+# privacy.side = 'client': the train message carries C and the kind of clipping (fixed, adaptive);
+# fedtops_strategy/privacy.py sets both keys. Without them the reply goes out as the handler made it.
+CLIPPING_MODES = ("fixed", "adaptive")
+
+
+def _mod_error(msg: Message, reason: str) -> Message:
+    return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"privacy_clipping_mod: {reason}"), reply_to=msg)
 
 
 def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
-    """Flower's ``fixedclipping_mod`` or ``adaptiveclipping_mod`` when the train config asks for
-    client-side clipping (``clipping_norm`` and ``privacy-clipping``), else nothing."""
+    """Client-side clipping when the train config asks for it (``clipping_norm`` and
+    ``privacy-clipping``): the reply's update θ_{t,i}^+ − θ_t clipped to norm C
+    (:func:`fedtops_strategy.privacy.clip_update`, which keeps a zero update as it is: Flower's
+    ``fixedclipping_mod`` divides by its norm); adaptive: the norm bit ``norm_bit`` (1: clipped)
+    in the reply's metrics, as Flower's ``adaptiveclipping_mod`` sends it. Else nothing."""
+    import math
+
     asking = [c for c in msg.content.config_records.values() if KEY_CLIPPING_NORM in c]
     if not asking:
         return call_next(msg, context)
-    mode = asking[0].get("privacy-clipping")
-    if mode not in CLIPPING_MODS:
-        reason = f"train config 'privacy-clipping' = {mode!r}: expected one of {', '.join(map(repr, CLIPPING_MODS))}"
-        return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
-    return CLIPPING_MODS[mode](msg, context, call_next)
+    from fedtops_strategy.privacy import KEY_CLIPPING_MODE, clip_update
+
+    mode, clip_norm = asking[0].get(KEY_CLIPPING_MODE), asking[0][KEY_CLIPPING_NORM]
+    if mode not in CLIPPING_MODES:
+        return _mod_error(msg, f"train config '{KEY_CLIPPING_MODE}' = {mode!r}: expected one of {', '.join(map(repr, CLIPPING_MODES))}")
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not (math.isfinite(clip_norm) and clip_norm > 0):
+        return _mod_error(msg, f"train config '{KEY_CLIPPING_NORM}' = {clip_norm!r}: expected a finite number > 0")
+    if len(msg.content.array_records) != 1:
+        return _mod_error(msg, f"the train message holds {len(msg.content.array_records)} array records, expected 1 (θ_t)")
+    theta = {k: v.numpy() for k, v in next(iter(msg.content.array_records.values())).items()}
+    out = call_next(msg, context)
+    if out.has_error():
+        return out
+    if len(out.content.array_records) != 1 or len(out.content.metric_records) != 1:
+        return _mod_error(msg, "the reply must hold one array record and one metric record")
+    key, record = next(iter(out.content.array_records.items()))
+    if list(record.keys()) != list(theta):
+        return _mod_error(msg, "the reply's arrays are not θ_t's")
+    clipped, was_clipped = clip_update(theta, {k: v.numpy() for k, v in record.items()}, float(clip_norm))
+    out.content.array_records[key] = ArrayRecord({k: Array(clipped[k]) for k in theta})
+    if mode == "adaptive":
+        next(iter(out.content.metric_records.values()))[KEY_NORM_BIT] = int(was_clipped)
+    return out
 
 
 @app.train(mods=[privacy_clipping_mod])

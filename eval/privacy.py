@@ -43,6 +43,7 @@ def cell_config(method: str, level: str, seed: int, clip: float, lr: float, roun
     privacy = {}
     if level != "none":
         privacy = {"privacy.clipping": "fixed", "privacy.clip-norm": clip, "privacy.noise-multiplier": float(level)}
+        privacy["num-clients"] = int(setting.get("num-clients") or 3)  # the private mean's n needs the declared size
         if method == "fedtops":
             privacy["privacy.score-noise"] = float(level)
     return run_config(method, lr, seed, rounds, 0, folder, {**setting, **privacy})

@@ -9,7 +9,7 @@ between rounds.
 * :class:`WeightedMean`: Σ w_i θ_i / Σ w_i, with Flower's own ``aggregate_arrayrecords`` (FedAvg's);
 * :class:`RobustMean`: one of Flower's robust strategies' ``aggregate_train`` (``strategy.aggregator``:
   median, trimmed mean, Krum, MultiKrum; :mod:`fedtops_strategy.aggregators`);
-* :class:`PrivateMean`: Flower's differential-privacy wrapper around an equal-weight FedAvg
+* :class:`PrivateMean`: the differentially private mean over a fixed denominator
   (``privacy.*``, :class:`fedtops_strategy.privacy.UpdatePrivacy`).
 
 Flower's aggregators read messages; each gets fresh ones built from the checked arrays, holding
@@ -60,6 +60,8 @@ class Averager(ABC):
     weighted_mean = True
     #: whether every update weighs the same (the DP mean: its noise is calibrated to the plain mean)
     equal_weights = False
+    #: the most updates a round may average (the DP mean's fixed denominator n), None: no limit
+    max_updates: int | None = None
 
     def configure_train(self, config) -> None:
         """What the round's train messages carry for it (client-side DP: the clipping norm)."""
@@ -122,12 +124,16 @@ class RobustMean(Averager):
 
 
 class PrivateMean(Averager):
-    """Flower's DP wrapper around the equal-weight FedAvg mean (:class:`~fedtops_strategy.privacy.UpdatePrivacy`)."""
+    """The private mean (:class:`~fedtops_strategy.privacy.UpdatePrivacy`): the clipped updates'
+    sum over the fixed denominator n, plus Gaussian noise; released every round, even when no
+    update arrived. Its record splits what may be published (``privacy``) from what may not
+    (``privacy-diagnostics``)."""
 
     equal_weights = True
 
     def __init__(self, privacy) -> None:
         self.privacy = privacy
+        self.max_updates = privacy.denominator
 
     def configure_train(self, config) -> None:
         self.privacy.train_config(config)
@@ -139,8 +145,9 @@ class PrivateMean(Averager):
         return self.privacy.view_metrics(reply.metrics)
 
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
-        views = [as_message(Update(u.node_id, u.arrays, 1, u.metrics)) for u in updates]
-        theta_record = ArrayRecord({k: Array(np.asarray(v)) for k, v in theta.items()})
-        arrays, _, released = self.privacy.release(server_round, views, theta_record)
-        # ε so far, in every round's record: one that released nothing included
-        return Average(None if arrays is None else from_record(arrays), {"privacy": {**released, **self.privacy.ledger.summary()}})
+        from flwr.supercore.differential_privacy import KEY_NORM_BIT
+
+        bits = [u.metrics.get(KEY_NORM_BIT) for u in updates]
+        mean, public, diagnostics = self.privacy.release(server_round, [u.arrays for u in updates], bits, theta)
+        # ε so far, in every round's record
+        return Average(mean, {"privacy": {**public, **self.privacy.ledger.summary()}, "privacy-diagnostics": diagnostics})

@@ -131,8 +131,9 @@ def make_strategy(
     ``skip-after``; docs/robustness.md; ``timeouts`` None: no start deadline, no skipping), the
     boundary's ranges (a reply's ``partition-id`` below ``num_partitions``, default
     ``num_clients``, None: any >= 0; its ``num-examples`` at most ``max_examples``), and
-    ``privacy`` with ``clipping`` on: the average is Flower's DP wrapper around an equal-weight
-    FedAvg (:class:`fedtops_strategy.privacy.UpdatePrivacy`), sized for the round's sample.
+    ``privacy`` with ``clipping`` on: the average is the private mean over a fixed denominator n,
+    the clients a round asks when ``num_clients`` are connected
+    (:class:`fedtops_strategy.privacy.UpdatePrivacy`); a round then asks at most n.
     """
     if cfg.name not in STRATEGIES:
         allowed = ", ".join(repr(n) for n in STRATEGIES)
@@ -140,10 +141,9 @@ def make_strategy(
     min_train = min(cfg.min_train_clients, num_clients)
     update_privacy = None
     if privacy is not None and privacy.clipping != "off":
-        from fedtops_strategy.privacy import UpdatePrivacy
+        from fedtops_strategy.privacy import UpdatePrivacy, private_denominator
 
-        sampled = max(int(cfg.fraction_train * num_clients), min_train)
-        update_privacy = UpdatePrivacy(privacy, num_sampled=sampled, population=num_clients)
+        update_privacy = UpdatePrivacy(privacy, private_denominator(num_clients, cfg.fraction_train, cfg.min_train_clients))
     common = dict(
         fraction_train=cfg.fraction_train,
         fraction_evaluate=0.0,  # no federated evaluation round: held-out evaluation is the app's own phase
@@ -157,7 +157,9 @@ def make_strategy(
         aggregator=make_aggregator(cfg),
         privacy=update_privacy,
         start_timeout=timeouts.start if timeouts is not None else float("inf"),
-        skip_after=timeouts.skip_after if timeouts is not None else 0,
+        # Under privacy who is asked must not depend on who answered (a silent node that sat out
+        # would change the schedule): timeout.skip-after has no effect (docs/privacy.md).
+        skip_after=timeouts.skip_after if timeouts is not None and update_privacy is None else 0,
     )
     # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design,
     # so the warning is not passed on.

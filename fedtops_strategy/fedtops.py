@@ -148,10 +148,15 @@ class FedTOPS(ReplyScreening, FedAvg):
         nodes = [r.node_id for r in self.kept]
         scored = self._valid_scores(server_round, replies, nodes)
         rows = [(s.node_id, s.teacher_scores, s.change_scores) for s in scored]
-        if self.privacy is not None and rows:
-            # The scores as released (clipped, noised: docs/privacy.md); the selection is post-processing.
-            rows, released = self.privacy.release_scores(rows, np.random.default_rng(), server_round)
+        weights = {node: self.client_weights[node] for node, _, _ in rows}  # the weights of the train replies
+        if self.privacy is not None:
+            # One released row per node the round asked (a public row for each that gave no valid
+            # scores), clipped and noised: docs/privacy.md. The selection is post-processing of them.
+            asked = list(self.sampled_node_ids)
+            rows, released, filled = self.privacy.release_scores({node: (j, k) for node, j, k in rows}, asked, self.candidates, server_round)
+            weights = dict.fromkeys(asked, 1.0)
             record.setdefault("privacy", {}).update({**released, **self.privacy.ledger.summary()})
+            record.setdefault("privacy-diagnostics", {})["public-score-rows"] = filled
         record["score_seconds"] = time.perf_counter() - self._score_started
         record["candidates"] = list(self.candidates)
         record["scored-node-ids"] = [node for node, _, _ in rows]
@@ -159,8 +164,11 @@ class FedTOPS(ReplyScreening, FedAvg):
         client_teacher_scores = [j for _, j, _ in rows]
         record["change_scores"] = [_finite_or_none(k) for k in change_scores]
         record["client_teacher_scores"] = [_finite_or_none(j) for j in client_teacher_scores]
-        answered = set(record["scored-node-ids"])
+        answered = {s.node_id for s in scored}
         record["unscored-node-ids"] = [n for n in nodes if n not in answered]
+        # Under privacy an unscored node's public row already caps a at 1 (feasible up to 1): the
+        # cap must not read who answered, which is not private.
+        all_scored = self.privacy is not None or not record["unscored-node-ids"]
         veto = vetoes(change_scores, self.trust_budget, len(self.candidates), self.feasibility_tol)
         record["veto-counts"] = [sum(row) for row in veto]
 
@@ -168,9 +176,9 @@ class FedTOPS(ReplyScreening, FedAvg):
             self.candidates,
             client_teacher_scores,
             change_scores,
-            [self.client_weights[node] for node, _, _ in rows],  # the weights of the train replies
+            [weights[node] for node, _, _ in rows],
             self.trust_budget,
-            all_scored=not record["unscored-node-ids"],
+            all_scored=all_scored,
             score_tol=self.score_tol,
             feasibility_tol=self.feasibility_tol,
             max_vetoes=self.max_vetoes,

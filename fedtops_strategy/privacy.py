@@ -1,129 +1,157 @@
 """Central differential privacy of the released adapters and of FedTOPS's score channel.
 
-The derivation (what one client's data can change, the noise, the composition) is in
-docs/privacy.md. In short, per round t with m screened updates:
+The relation, the mechanism and the derivation are in docs/privacy.md. In short:
 
-* **The update** (Flower's own wrappers): each client's LoRA-factor update θ_{t,i}^+ − θ_t is
-  clipped to L2 norm C (on the server, or on the client by Flower's clipping mod), the m clipped
-  updates are averaged with equal weights by Flower's ``FedAvg``, and Gaussian noise of std
-  z·C/m is added to the mean (``DifferentialPrivacy{Server,Client}Side{Fixed,Adaptive}Clipping``).
-  The wrapper wraps the *averaging step* of the chosen strategy, after reply screening: FedAvg
-  moves to the noisy mean, fixed a moves a times along it, and FedTOPS scores and selects along it
-  (its Δ_t is the noisy mean − θ_t). All of that is post-processing of one Gaussian release.
-* **The scores** (FedTOPS, written here): each scored client's Ĵ_i(a) and K̂_i(a), for the k
-  candidates, are clipped to [0, c_J] and [0, c_K] and Gaussian noise of std σ_s·√(2k)·c is
-  added to each: one client's data moves its 2k values by at most one range each, an L2 distance
-  of √(2k) in range units. The selection rule then runs unchanged on the noisy scores.
-* **Accounting**: Flower's :class:`~flwr.supercore.privacy_accounting.RdpAccountant` (Google's
-  ``dp-accounting``) composes one Gaussian event per release (the update: z; the scores: σ_s) with
-  the add-or-remove-one relation and no subsampling amplification, and reports ε at δ_DP.
+* **Relation: add-or-remove-one client.** Two federations are neighbours when one has one client
+  more, whose data can be anything. Who is asked in each round (the node ids, drawn from the
+  run's seed and the connected nodes) is the same in both and is not protected; what a client
+  contributes, including whether it contributes at all, is.
+* **The update** (the same mechanism whichever side clips): each client's LoRA-factor update
+  u_i = θ_{t,i}^+ − θ_t is clipped to L2 norm C (:func:`clip_update`, on the server; with
+  ``privacy.side = 'client'`` also on the client, and again on the server), and the server
+  releases θ̃ = θ_t + (1/n)·Σ_i ū_i + N(0, (z·C/n)² I) with **n fixed before the run**
+  (:func:`private_denominator`: the clients a round asks when ``num-clients`` are connected). A
+  client that is not averaged (it failed, timed out, was refused at the boundary) adds a zero
+  update: neither the denominator nor the noise depends on who replied. Removing one client moves
+  the sum by at most C: a Gaussian mechanism of multiplier z (:func:`noisy_mean`).
+* **Adaptive clipping** (Andrew et al., "Differentially Private Learning with Adaptive
+  Clipping", 2021; TensorFlow Privacy's quantile estimator): the count of unclipped updates is
+  centred, Σ_i (b_i − ½), so that one client moves it by ½, and released with noise σ_b over the
+  same fixed n (:func:`noisy_unclipped_share`, clamped to [0, 1]). It is its own Gaussian release
+  of multiplier 2σ_b; the update's multiplier is z_Δ = (z⁻² − (2σ_b)⁻²)^−½ so that the two compose
+  to exactly z (:func:`adaptive_multipliers`). C then moves by exp(−η(b̄ − γ)) after the noise.
+* **The scores** (FedTOPS): one row (Ĵ_i(a), K̂_i(a) for the k candidates) per client asked in
+  the round; a missing or invalid row is replaced by a fixed public row (:func:`public_score_row`);
+  each row is clipped to [0, c_J] / [0, c_K] and released with Gaussian noise
+  σ_s·√(2k)·c_J / σ_s·√(2k)·c_K: a Gaussian mechanism of multiplier σ_s.
+* **Accounting** (:class:`PrivacyLedger`): every release is one Gaussian event of its multiplier
+  under add-or-remove-one, without amplification by sampling; ε at δ_DP from Google's
+  ``dp-accounting``, both RDP and PLD, and the tighter of the two (both are valid upper bounds) is
+  the run's ε and what ``privacy.max-epsilon`` is checked against before each round.
 
-The noise is drawn from the operating system's entropy, never from the run's ``seed``: a seed in
-``config.json`` would let anyone subtract it. DP runs are therefore not bit-for-bit reproducible.
+The noise is drawn from a NumPy generator seeded from the operating system's entropy, never from
+the run's ``seed``: a seed in ``config.json`` would let anyone subtract it. DP runs are therefore
+not bit-for-bit reproducible.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp.strategy import (
-    DifferentialPrivacyClientSideAdaptiveClipping,
-    DifferentialPrivacyClientSideFixedClipping,
-    DifferentialPrivacyServerSideAdaptiveClipping,
-    DifferentialPrivacyServerSideFixedClipping,
-    FedAvg,
-)
+from flwr.app import ConfigRecord
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
-from flwr.supercore.privacy_accounting import (
-    GaussianPrivacyEvent,
-    NeighboringRelation,
-    PrivacyConfig,
-    SamplingMethod,
-)
-from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import PrivacySettings
-from fedopd.models.lora import Named, from_record
+from fedopd.models.lora import Named
 from fedtops_strategy.bounds import update_norm
 
 # The run folder's journal of every release, written before the release leaves the server.
 JOURNAL = "privacy-ledger.jsonl"
 
-# The train config key that tells the ClientApp's clipping mod which of Flower's mods to run
-# (client_app/app.py); Flower's own KEY_CLIPPING_NORM carries C.
+# The train config key that tells the ClientApp's clipping mod to clip and which kind
+# (client_app/app.py); Flower's own KEY_CLIPPING_NORM carries C, and KEY_NORM_BIT (1: clipped)
+# carries adaptive clipping's bit back.
 KEY_CLIPPING_MODE = "privacy-clipping"
 FP32_EPS = float(np.finfo(np.float32).eps)
 
-
-class _AdaptiveClipping:
-    """Andrew et al.'s adaptive clipping ("Differentially Private Learning with Adaptive
-    Clipping", 2021) on Flower 1.41's wrappers, with two of their steps corrected:
-
-    * the direction: the paper moves C by exp(−η (b̄ − γ)) with b̄ the noisy share of updates
-      *under* C and γ the target share under it. Flower's norm bit is 1 for a *clipped* update, and
-      its wrappers put that share in the same formula, so C shrinks when most updates are clipped
-      and grows when none is: away from the target, towards 0 or without bound;
-    * the order: Flower moves C *before* it adds the noise, so the noise is scaled to the next
-      round's C, not the C the updates were clipped to (when C shrinks, less noise than z·C/m).
-
-    Here the wrapper's step is deferred until after the noise and applied with b̄ = 1 − the noisy
-    clipped share."""
-
-    def _geometric_update(self, clipped_fraction: float) -> None:
-        self._pending_fraction = clipped_fraction
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        self._pending_fraction = None
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        if self._pending_fraction is not None:
-            unclipped = 1.0 - self._pending_fraction
-            self.clipping_norm *= math.exp(-self.clip_norm_lr * (unclipped - self.target_clipped_quantile))
-        return arrays, metrics
+# dp-accounting's PLD grid: 1e-3 nats, coarser for large ε so that its size stays bounded (the
+# pessimistic PLD stays an upper bound at any spacing; at ε·1e-4 it is within 0.01 % of ε).
+PLD_INTERVAL = 1e-3
+PLD_RELATIVE_INTERVAL = 1e-4
 
 
-class ServerSideAdaptiveClipping(_AdaptiveClipping, DifferentialPrivacyServerSideAdaptiveClipping):
-    pass
+class PrivacyBudgetSpent(RuntimeError):
+    """A release would take ε beyond ``privacy.max-epsilon``; the message says which and by how much."""
 
 
-class ClientSideAdaptiveClipping(_AdaptiveClipping, DifferentialPrivacyClientSideAdaptiveClipping):
-    pass
+# ---------------------------------------------------------------------------------------------
+# The mechanism: small pure functions
+# ---------------------------------------------------------------------------------------------
 
 
-WRAPPERS = {
-    ("fixed", "server"): DifferentialPrivacyServerSideFixedClipping,
-    ("fixed", "client"): DifferentialPrivacyClientSideFixedClipping,
-    ("adaptive", "server"): ServerSideAdaptiveClipping,
-    ("adaptive", "client"): ClientSideAdaptiveClipping,
-}
+def private_denominator(num_clients: int, fraction_train: float, min_train_clients: int) -> int:
+    """n, the fixed public denominator of the private mean: the clients a round asks when the
+    declared ``num_clients`` are connected (Flower's FedAvg sample size; never a count of who
+    connected or replied)."""
+    return max(1, int(fraction_train * num_clients), min(min_train_clients, num_clients))
 
 
-@contextlib.contextmanager
-def fresh_numpy_entropy() -> Iterator[None]:
-    """NumPy's global generator (which Flower's wrappers draw their noise from) seeded from the
-    OS's entropy for the block, then put back as it was: no seed the server or a library set
-    before can predict the noise, and nothing else's random stream moves."""
-    state = np.random.get_state()
-    np.random.seed()
-    try:
-        yield
-    finally:
-        np.random.set_state(state)
+def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[Named, bool]:
+    """(θ_t + min(1, C/‖u‖)·u with u = arrays − θ_t, whether it was clipped), in fp32. A zero
+    update (‖u‖ = 0) is kept as it is: a client that returns θ_t unchanged sends a valid update
+    (Flower's ``compute_clip_model_update`` divides by ‖u‖, flwrlabs/flower#7631)."""
+    norm = update_norm(theta, arrays) if norm is None else norm
+    if not norm > clip_norm:  # 0 included
+        return {k: np.asarray(v, np.float32) for k, v in arrays.items()}, False
+    scale = clip_norm / norm
+    out = {}
+    for k, t in theta.items():
+        t64 = np.asarray(t, np.float64)
+        out[k] = (t64 + (np.asarray(arrays[k], np.float64) - t64) * scale).astype(np.float32)
+    return out, True
+
+
+def noisy_mean(theta: Named, clipped: Sequence[Named], denominator: int, std: float, rng: np.random.Generator) -> Named:
+    """θ_t + (1/n)·Σ_i (clipped_i − θ_t) + N(0, std² I), in float64, returned as fp32 arrays.
+
+    ``clipped`` holds θ_t + ū_i for the updates averaged (at most n; the others add 0);
+    ``denominator`` is n, ``std`` the noise's standard deviation (z·C/n)."""
+    out = {}
+    for k, t in theta.items():
+        t64 = np.asarray(t, np.float64)
+        total = np.zeros_like(t64)
+        for u in clipped:
+            total += np.asarray(u[k], np.float64) - t64
+        noise = rng.normal(0.0, std, size=t64.shape) if std > 0 else 0.0
+        out[k] = (t64 + total / denominator + noise).astype(np.float32)
+    return out
+
+
+def noisy_unclipped_share(unclipped: Sequence[bool], denominator: int, count_std: float, rng: np.random.Generator) -> float:
+    """b̄ = ½ + (Σ_i (b_i − ½) + N(0, σ_b²)) / n, clamped to [0, 1]: the noisy share of updates
+    under C (b_i = 1: not clipped). Centred, one client moves the sum by ½ whether it is added
+    or removed; a client not averaged adds 0 (TensorFlow Privacy's quantile estimator)."""
+    centred = sum(1.0 if b else 0.0 for b in unclipped) - 0.5 * len(unclipped)
+    noise = float(rng.normal(0.0, count_std)) if count_std > 0 else 0.0
+    return min(1.0, max(0.0, 0.5 + (centred + noise) / denominator))
+
+
+def next_clip_norm(clip_norm: float, unclipped_share: float, target: float, lr: float) -> float:
+    """C·exp(−η(b̄ − γ)) (Andrew et al.): C grows when fewer than the target share γ fall under it."""
+    return clip_norm * math.exp(-lr * (unclipped_share - target))
+
+
+def count_stddev(settings: PrivacySettings, denominator: int) -> float:
+    """σ_b, the noise on adaptive clipping's centred count: ``privacy.clipped-count-stddev``, or
+    n/20 when 0 (Andrew et al.'s choice, Flower's default)."""
+    return settings.clipped_count_stddev or denominator / 20
+
+
+def adaptive_multipliers(z: float, count_std: float) -> tuple[float, float]:
+    """(z_Δ, z_b): the multipliers of the update and of the centred count (sensitivity ½, noise
+    σ_b: z_b = 2σ_b), with z_Δ⁻² + z_b⁻² = z⁻², so that the round's two releases are exactly one
+    Gaussian of multiplier z. Needs z < 2σ_b (ValueError otherwise); z = 0: no noise on either."""
+    if z <= 0:
+        return 0.0, 0.0
+    z_count = 2.0 * count_std
+    if not z < z_count:
+        raise ValueError(f"noise multiplier z = {z:g} needs the count's noise σ_b > z/2 = {z / 2:g}, got σ_b = {count_std:g}")
+    return (z**-2 - z_count**-2) ** -0.5, z_count
 
 
 def score_noise_stds(num_candidates: int, score_noise: float, teacher_max: float, change_max: float) -> tuple[float, float]:
     """(std on each Ĵ_i(a), std on each K̂_i(a)): σ_s·√(2k)·c_J and σ_s·√(2k)·c_K.
 
-    One client's data changes only its own 2k clipped values, each by at most its range: an L2
-    change of √(2k) when every value is measured in its own range (docs/privacy.md)."""
+    One client's data changes only its own row of 2k clipped values, each by at most its range:
+    an L2 change of √(2k) when every value is measured in its own range (docs/privacy.md)."""
     scale = score_noise * math.sqrt(2 * num_candidates)
     return scale * teacher_max, scale * change_max
 
@@ -132,6 +160,14 @@ def clip_scores(values: Sequence[float], upper: float) -> np.ndarray:
     """``values`` clipped to [0, upper]; a non-finite value (an infeasible candidate) becomes ``upper``."""
     out = np.array([upper if not math.isfinite(v) else v for v in values], dtype=np.float64)
     return np.clip(out, 0.0, upper)
+
+
+def public_score_row(candidates: Sequence[float], change_max: float) -> tuple[list[float], list[float]]:
+    """The row released for a client asked in the round whose valid scores did not arrive: Ĵ = 0
+    at every candidate (a constant moves the mean Ĵ of every candidate alike) and K̂ = 0 for
+    a ≤ 1, c_K above (its trust constraint is unknown: feasible up to FedAvg's step, the cap
+    the SPEC sets without privacy). It is public and fixed, so it says nothing of that client."""
+    return [0.0] * len(candidates), [0.0 if a <= 1.0 else change_max for a in candidates]
 
 
 def privatize_scores(
@@ -148,275 +184,344 @@ def privatize_scores(
     return j.tolist(), k.tolist()
 
 
-def _combined(*multipliers: float) -> float:
-    """The one Gaussian multiplier that several on the same data compose to: (Σ z_i^-2)^-1/2 (0 if any is 0)."""
-    if any(z <= 0 for z in multipliers):
+def combined_multiplier(multipliers: Iterable[float]) -> float:
+    """The one Gaussian multiplier that Gaussian releases on the same data compose to,
+    (Σ z_i⁻²)^−½: exact, since their privacy-loss distributions are Gaussian (0 if any is 0)."""
+    zs = list(multipliers)
+    if any(z <= 0 for z in zs):
         return 0.0
-    return sum(z**-2 for z in multipliers) ** -0.5
+    return sum(z**-2 for z in zs) ** -0.5 if zs else math.inf
+
+
+def gaussian_epsilons(multiplier: float, delta: float) -> dict[str, float]:
+    """ε at ``delta`` of one Gaussian mechanism of ``multiplier`` under add-or-remove-one, from
+    dp-accounting's RDP accountant and its PLD accountant (``rdp``, ``pld``): inf for 0, 0 for inf."""
+    if multiplier <= 0:
+        return {"rdp": math.inf, "pld": math.inf}
+    if math.isinf(multiplier):
+        return {"rdp": 0.0, "pld": 0.0}
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    event = dp_accounting.GaussianDpEvent(multiplier)
+    rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
+    rdp.compose(event)
+    eps_rdp = float(rdp.get_epsilon(delta))
+    interval = max(PLD_INTERVAL, eps_rdp * PLD_RELATIVE_INTERVAL)
+    pld = pld_privacy_accountant.PLDAccountant(relation, value_discretization_interval=interval)
+    pld.compose(event)
+    return {"rdp": eps_rdp, "pld": float(pld.get_epsilon(delta))}
+
+
+# ---------------------------------------------------------------------------------------------
+# The account
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Release:
+    """One Gaussian release: what it was (``round 3 update``) and its noise multiplier."""
+
+    what: str
+    noise_multiplier: float
 
 
 class PrivacyLedger:
-    """The run's privacy spent: Flower's RDP accountant, one Gaussian event per release.
+    """The run's privacy spent: one Gaussian event per release, add-or-remove-one, no
+    amplification by sampling (docs/privacy.md says why).
 
-    Add-or-remove-one client (zero-out: a client's clipped update and scores replaced by zeros),
-    no amplification by subsampling (docs/privacy.md says why). A release with noise multiplier 0
-    is not private: ε is infinite from then on. With :attr:`journal` set (the run folder's
-    :data:`JOURNAL`), every release is also appended there, and flushed to disk, before it leaves
-    the server: a resume counts the releases of a round that was cut off before its record.
+    ε is the tighter of dp-accounting's RDP and PLD bounds for the composition (the releases are
+    Gaussian, so they compose exactly to one of :func:`combined_multiplier`). A release with
+    multiplier 0 is not private: ε is infinite from then on. With :attr:`journal` set (the run
+    folder's :data:`JOURNAL`), every release is appended there, and flushed to disk, before it
+    leaves the server. With ``max_epsilon`` > 0, a release that would take ε beyond it raises
+    :class:`PrivacyBudgetSpent` and is neither journalled nor composed.
     """
 
-    def __init__(self, delta: float, population: int) -> None:
+    def __init__(self, delta: float, max_epsilon: float = 0.0) -> None:
         self.delta = float(delta)
-        self.population = max(1, int(population))
-        self.events: list[tuple[float, int]] = []  # (noise multiplier, clients) of every release
-        self.accountant = self._accountant()
+        self.max_epsilon = float(max_epsilon)
+        self.events: list[Release] = []
         self.journal: Path | None = None
+        self._cache: dict[float, dict[str, float]] = {}
 
-    def _accountant(self) -> RdpAccountant:
-        config = PrivacyConfig(
-            target_delta=self.delta,
-            population_size=self.population,
-            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+    def epsilons(self, extra: Sequence[float] = ()) -> dict[str, float]:
+        """{"rdp", "pld", "epsilon" (the smaller)} after every release so far and ``extra``
+        multipliers more (0 releases: all 0; one without noise: all inf)."""
+        zs = [e.noise_multiplier for e in self.events] + [float(z) for z in extra]
+        if not zs:
+            return {"rdp": 0.0, "pld": 0.0, "epsilon": 0.0}
+        z = combined_multiplier(zs)
+        if z not in self._cache:
+            self._cache[z] = gaussian_epsilons(z, self.delta)
+        eps = self._cache[z]
+        return {**eps, "epsilon": min(eps["rdp"], eps["pld"])}
+
+    @property
+    def epsilon(self) -> float:
+        """ε at :attr:`delta` after every release so far (inf: one was not private; 0: none yet)."""
+        return self.epsilons()["epsilon"]
+
+    def over_budget(self, extra: Sequence[float]) -> str | None:
+        """Why releasing ``extra`` multipliers now would exceed ``privacy.max-epsilon``, or None."""
+        if not self.max_epsilon:
+            return None
+        after = self.epsilons(extra)["epsilon"]
+        if after <= self.max_epsilon:
+            return None
+        return (
+            f"privacy.max-epsilon = {self.max_epsilon:g}: {len(extra)} more release(s) would take ε at δ = {self.delta:g} "
+            f"from {self.epsilon:.4g} to {after:.4g}"
         )
-        accountant = RdpAccountant(config)
-        for z, m in self.events:
-            if z > 0:
-                accountant.compose(GaussianPrivacyEvent(noise_multiplier=z, sample_size=m, population_size=self.population))
-        return accountant
 
-    def compose(self, noise_multiplier: float, sample_size: int, what: str = "") -> None:
-        """Account one Gaussian release with ``noise_multiplier`` over ``sample_size`` clients
-        (``what``: a label for the journal, e.g. ``round 3 update``)."""
-        z, m = float(noise_multiplier), max(1, int(sample_size))
+    def compose(self, noise_multiplier: float, what: str = "") -> None:
+        """Account one Gaussian release of ``noise_multiplier`` (``what``: the journal's label),
+        journalled before it leaves; refused with :class:`PrivacyBudgetSpent` beyond the budget."""
+        z = float(noise_multiplier)
+        why = self.over_budget([z])
+        if why is not None:
+            raise PrivacyBudgetSpent(f"{what or 'a release'} refused: {why}")
         if self.journal is not None:
             with open(self.journal, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"release": what, "noise-multiplier": z, "clients": m}) + "\n")
+                f.write(json.dumps({"release": what, "noise-multiplier": z}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self.events.append((z, m))
-        if m > self.population:  # more nodes than the run was sized for: the metadata's population grows
-            self.population = m
-            self.accountant = self._accountant()
-        elif z > 0:
-            self.accountant.compose(GaussianPrivacyEvent(noise_multiplier=z, sample_size=m, population_size=self.population))
+        self.events.append(Release(what, z))
 
     @property
     def releases(self) -> int:
         return len(self.events)
 
-    @property
-    def unbounded(self) -> bool:
-        """Whether a release without noise happened (ε infinite)."""
-        return any(z <= 0 for z, _ in self.events)
-
-    @property
-    def epsilon(self) -> float:
-        """ε at :attr:`delta` after every release so far (inf: one was not private; 0: none yet)."""
-        if self.unbounded:
-            return math.inf
-        if self.accountant.num_releases == 0:
-            return 0.0
-        return float(self.accountant.get_epsilon(self.delta))
-
     def summary(self) -> dict[str, Any]:
-        """The cumulative fields of a round record's ``privacy`` (ε None when infinite)."""
-        eps = self.epsilon
-        return {"epsilon": eps if math.isfinite(eps) else None, "delta": self.delta, "releases": self.releases}
+        """The cumulative fields of a round record's ``privacy`` (an infinite ε as None)."""
+        eps = self.epsilons()
+        out = {k: (v if math.isfinite(v) else None) for k, v in eps.items()}
+        return {"epsilon": out["epsilon"], "epsilon-rdp": out["rdp"], "epsilon-pld": out["pld"], "delta": self.delta, "releases": self.releases}
+
+
+# ---------------------------------------------------------------------------------------------
+# The server's side of it
+# ---------------------------------------------------------------------------------------------
 
 
 class UpdatePrivacy:
-    """Flower's DP wrapper around the equal-weight FedAvg mean of the screened updates, with the
-    run's :class:`PrivacyLedger` and the score channel's settings.
+    """The private mean of a round's updates, FedTOPS's score channel and the run's ledger.
 
-    :class:`~fedtops_strategy.screening.ReplyScreening` calls it: :meth:`train_config` when it
-    configures a round, :meth:`reply_problem` on each train reply (client side: the norm the
-    client was asked to clip to, and the norm bit of adaptive clipping), :meth:`release` to average.
+    :class:`~fedtops_strategy.averaging.PrivateMean` calls :meth:`train_config` when a round is
+    configured, :meth:`reply_problem` on each checked train reply, :meth:`release` to average;
+    FedTOPS calls :meth:`release_scores`; the ServerApp :meth:`budget_stop` before each round.
+
+    Parameters
+    ----------
+    settings : PrivacySettings
+        ``privacy.*``.
+    denominator : int
+        n (:func:`private_denominator`), fixed for the run.
     """
 
-    def __init__(self, settings: PrivacySettings, num_sampled: int, population: int) -> None:
-        if settings.clipping not in ("fixed", "adaptive") or (settings.clipping, settings.side) not in WRAPPERS:
-            raise ValueError(f"privacy.clipping = {settings.clipping!r}, privacy.side = {settings.side!r}: no such DP wrapper")
+    def __init__(self, settings: PrivacySettings, denominator: int) -> None:
+        if settings.clipping not in ("fixed", "adaptive") or settings.side not in ("server", "client"):
+            raise ValueError(f"privacy.clipping = {settings.clipping!r}, privacy.side = {settings.side!r}: no such mechanism")
         self.settings = settings
         self.client_side = settings.side == "client"
-        # Server side, the app clips each update itself (clip_update: Flower's clipping divides by
-        # the update's norm, so a zero update, θ_t sent back unchanged, raised ZeroDivisionError
-        # and ended the run); the clipped updates then go through the client-side wrapper of the
-        # same kind, which averages and adds the same noise z·C/m (adaptive: with the norm bits
-        # the app computed). Client side, the clients' mod clipped them.
-        wrapper = WRAPPERS[(settings.clipping, "client")]
-        num_sampled = max(1, int(num_sampled))
-        try:
-            if settings.clipping == "fixed":
-                self.wrapper = wrapper(FedAvg(), settings.noise_multiplier, settings.clip_norm, num_sampled)
-            else:
-                self.wrapper = wrapper(
-                    FedAvg(),
-                    settings.noise_multiplier,
-                    num_sampled,
-                    initial_clipping_norm=settings.clip_norm,
-                    target_clipped_quantile=settings.target_quantile,
-                    clip_norm_lr=settings.clip_norm_lr,
-                    clipped_count_stddev=settings.clipped_count_stddev or None,
-                )
-        except ValueError as err:  # Flower's own checks, e.g. adaptive z >= 2 × the count's noise
-            raise ConfigError(
-                f"run config 'privacy.noise-multiplier' = {settings.noise_multiplier!r} with 'privacy.clipping' = "
-                f"{settings.clipping!r} and {num_sampled} client(s) per round: {err}; allowed: adaptive clipping "
-                f"needs 'privacy.clipped-count-stddev' > 'privacy.noise-multiplier' / 2"
-            ) from None
-        self.ledger = PrivacyLedger(settings.delta, population)
+        self.adaptive = settings.clipping == "adaptive"
+        self.denominator = int(denominator)
+        if self.denominator < 1:
+            raise ValueError(f"the private mean's denominator must be >= 1, got {denominator}")
+        z = settings.noise_multiplier
+        self.count_std = count_stddev(settings, self.denominator) if self.adaptive else 0.0
+        if self.adaptive:
+            try:
+                self.update_multiplier, self.count_multiplier = adaptive_multipliers(z, self.count_std)
+            except ValueError as err:
+                raise ConfigError(
+                    f"run config 'privacy.noise-multiplier' = {z!r} with 'privacy.clipping' = 'adaptive' and {self.denominator} "
+                    f"client(s) per round: {err}; allowed: 'privacy.clipped-count-stddev' > 'privacy.noise-multiplier' / 2 "
+                    f"(0 means n/20 = {self.denominator / 20:g})"
+                ) from None
+        else:
+            self.update_multiplier, self.count_multiplier = z, 0.0
+        self.ledger = PrivacyLedger(settings.delta, settings.max_epsilon)
+        self.clipping_norm = float(settings.clip_norm)  # C for the next round (adaptive: moved after every release)
         self.clip_norm_used = self.clipping_norm  # the C of the round last configured
+
+    # -- what a round releases -------------------------------------------------------------------
+    def round_multipliers(self, scores: bool) -> list[float]:
+        """The multipliers of one round's releases: the update (adaptive: and the count), and the
+        scores when the strategy has a score phase. All public: they fix ε's course in advance."""
+        out = [self.update_multiplier] + ([self.count_multiplier] if self.adaptive else [])
+        return out + ([self.settings.score_noise] if scores else [])
+
+    def budget_stop(self, server_round: int, scores: bool) -> str | None:
+        """Why round ``server_round`` must not start (its releases would exceed ``privacy.max-epsilon``), or None."""
+        why = self.ledger.over_budget(self.round_multipliers(scores))
+        return None if why is None else f"round {server_round} not started: {why}"
+
+    def rounds_within_budget(self, scores: bool, rounds: int) -> int:
+        """How many more rounds (at most ``rounds``) fit in ``privacy.max-epsilon`` (``rounds``: no budget)."""
+        if not self.settings.max_epsilon:
+            return rounds
+        per_round = self.round_multipliers(scores)
+        lo, hi = 0, rounds  # the largest k with ε(k rounds more) <= max: ε grows with k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.ledger.over_budget(per_round * mid) is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def describe(self, scores: bool) -> str:
         """One line for the run's stream: the mechanism(s), their parameters and what they cost per round."""
         s = self.settings
-        z_eff = _combined(s.noise_multiplier, s.score_noise) if scores else s.noise_multiplier
         parts = [
-            f"differential privacy: {s.clipping} clipping on the {s.side} side, C = {s.clip_norm:g}, noise multiplier z = {s.noise_multiplier:g}"
+            f"differential privacy (add-or-remove-one client): {s.clipping} clipping on the {s.side} side, C = {s.clip_norm:g}, "
+            f"noise multiplier z = {s.noise_multiplier:g} on the sum of the clipped updates over n = {self.denominator} (fixed)"
         ]
+        if self.adaptive:
+            parts.append(
+                f"the centred count with noise σ_b = {self.count_std:g} (z_Δ = {self.update_multiplier:.4g}, z_b = {self.count_multiplier:.4g})"
+            )
         if scores:
             parts.append(
                 f"FedTOPS scores clipped to [0, {s.teacher_score_max:g}] / [0, {s.change_score_max:g}] with noise multiplier {s.score_noise:g}"
             )
+        z_eff = combined_multiplier(self.round_multipliers(scores))
         per_round = "∞ (a release without noise)" if z_eff == 0 else f"one Gaussian of multiplier {z_eff:.4g} per round"
-        parts.append(f"accounted at δ = {s.delta:g} as {per_round} (docs/privacy.md)")
+        budget = f", stopping before ε > {s.max_epsilon:g}" if s.max_epsilon else ""
+        parts.append(f"accounted at δ = {s.delta:g} as {per_round}{budget} (docs/privacy.md)")
         return "; ".join(parts)
 
-    @property
-    def clipping_norm(self) -> float:
-        """C for the next round (adaptive: moved after every release)."""
-        return float(self.wrapper.clipping_norm)
-
-    @clipping_norm.setter
-    def clipping_norm(self, value: float) -> None:
-        self.wrapper.clipping_norm = float(value)
-
+    # -- the train phase -------------------------------------------------------------------------
     def train_config(self, config: ConfigRecord) -> None:
-        """What the train messages carry: client side, C and which of Flower's mods clips."""
+        """What the train messages carry: client side, C and which clipping the ClientApp's mod does."""
         self.clip_norm_used = self.clipping_norm
         if self.client_side:
             config[KEY_CLIPPING_NORM] = self.clip_norm_used
             config[KEY_CLIPPING_MODE] = self.settings.clipping
 
-    def reply_problem(self, metrics: Mapping[str, Any], theta: Named, arrays: Named) -> str | None:
-        """Client side: why a screened reply cannot join the private mean (its update is longer
-        than the C it was sent, beyond fp32 rounding; adaptive: no 0/1 norm bit), or None."""
-        if not self.client_side:
-            return None
-        norm = update_norm(theta, arrays)
+    def _rounding(self, theta: Named) -> float:
+        """How far an update the client clipped to C can be from norm C once the server re-forms
+        it from fp32 θ_t + ū: rounding θ_t + ū and the difference, each ≤ ε/2 per entry, and the
+        scaling ≤ ε/2 (docs/privacy.md). Twice that, as a bound that needs no tuning."""
         theta_norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in theta.values()))
-        # The client sends θ_t + u in fp32: re-forming u loses at most eps·|θ_t + u| per entry.
-        allowed = self.clip_norm_used * (1 + 1e-5) + 2 * FP32_EPS * (theta_norm + self.clip_norm_used)
-        if not norm <= allowed:
-            return f"its update's norm {norm:.6g} exceeds the privacy clipping norm {self.clip_norm_used:.6g} it was sent (privacy.side = 'client': was it clipped?)"
-        if self.settings.clipping == "adaptive" and metrics.get(KEY_NORM_BIT) not in (0, 1):
-            return f"metric '{KEY_NORM_BIT}' is {metrics.get(KEY_NORM_BIT)!r}: adaptive clipping needs 0 or 1 from Flower's adaptiveclipping_mod"
+        return 2 * FP32_EPS * (theta_norm + 2 * self.clip_norm_used)
+
+    def reply_problem(self, metrics: Mapping[str, Any], theta: Named, arrays: Named) -> str | None:
+        """Client-side adaptive clipping: why a reply's norm bit cannot be believed (not 0 or 1; 1,
+        clipped, for an update whose norm is below C; 0 for one above C, beyond fp32 rounding), or
+        None. A refused reply adds a zero update, like any client that is not averaged."""
+        if not (self.client_side and self.adaptive):
+            return None
+        bit = metrics.get(KEY_NORM_BIT)
+        if isinstance(bit, bool) or bit not in (0, 1):
+            return f"metric '{KEY_NORM_BIT}' is {bit!r}: client-side adaptive clipping needs 0 or 1 (1: the update was clipped to C)"
+        norm, c, tol = update_norm(theta, arrays), self.clip_norm_used, self._rounding(theta)
+        if bit == 1 and norm < c - tol:
+            return f"its norm bit says its update was clipped to C = {c:.6g}, but the update's norm is {norm:.6g}"
+        if bit == 0 and norm > c + tol:
+            return f"its norm bit says its update was not clipped, but its norm {norm:.6g} exceeds C = {c:.6g}"
         return None
 
     def view_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """What a reply's aggregation view carries besides its weight (adaptive client side: the norm bit)."""
-        if self.client_side and self.settings.clipping == "adaptive":
+        """What a reply's update carries to the average besides its arrays (adaptive client side: the norm bit)."""
+        if self.client_side and self.adaptive:
             return {KEY_NORM_BIT: int(metrics[KEY_NORM_BIT])}
         return {}
 
-    def release(self, server_round: int, views: list[Message], theta: ArrayRecord) -> tuple[ArrayRecord | None, MetricRecord | None, dict[str, Any]]:
-        """(the noisy equal-weight mean of ``views``, its metrics, the round record's ``privacy``).
+    def release(
+        self, server_round: int, updates: Sequence[Named], bits: Sequence[int | None], theta: Named, rng: np.random.Generator | None = None
+    ) -> tuple[Named, dict[str, Any], dict[str, Any]]:
+        """(the released adapter θ̃, the round record's ``privacy`` (publishable), its
+        ``privacy-diagnostics`` (not private)).
 
-        Flower's wrapper clips (server side), averages with FedAvg and adds N(0, (z·C/m)²) with m
-        the number of views (the wrapper's ``num_sampled_clients`` is set to it: the mean divides
-        by m, so the noise is calibrated to the updates it averages); the release is accounted."""
-        m = len(views)
-        if m == 0:
-            return None, None, {}
-        w = self.wrapper
-        w.num_sampled_clients = m
-        used = self.clip_norm_used if self.client_side else self.clipping_norm
-        theta_named = from_record(theta)
-        # What the server saw (server side: before clipping; client side: as clipped): to tune C.
-        updates = [from_record(next(iter(v.content.array_records.values()))) for v in views]
-        norms = [update_norm(theta_named, u) for u in updates]
-        if not self.client_side:
-            views = [self._clipped_view(v, theta_named, u, n, used) for v, u, n in zip(views, updates, norms)]
-        with fresh_numpy_entropy():
-            arrays, metrics = w.aggregate_train(server_round, views)
-        record: dict[str, Any] = {"clip-norm": used, "update-norm-median": float(np.median(norms))}
-        if arrays is None:
-            return None, None, record
-        z = self.settings.noise_multiplier  # adaptive: z covers the update and the count together (Andrew et al.)
-        self.ledger.compose(z, m, f"round {server_round} update")
-        record.update(
-            {
-                "noise-multiplier": z,
-                "update-noise-std": float(w.noise_multiplier) * used / m,
-                "clients": m,
-                "next-clip-norm": self.clipping_norm,
-            }
-        )
-        return arrays, metrics, record
+        ``updates`` are the checked replies θ_{t,i}^+ that are averaged, at most n; ``bits`` their
+        client-side norm bits (adaptive client side; else None). Each update is clipped at the
+        round's C (client side: again); the noisy mean over the fixed n is released, even when
+        no update arrived (then it is θ_t plus noise: not releasing would say that none did)."""
+        if len(updates) > self.denominator:
+            raise ValueError(f"{len(updates)} updates for a private mean over n = {self.denominator}")
+        rng = np.random.default_rng() if rng is None else rng  # the OS's entropy
+        c = self.clip_norm_used
+        norms = [update_norm(theta, u) for u in updates]
+        clipped, unclipped = [], []
+        for u, n, bit in zip(updates, norms, bits):
+            arrays, was_clipped = clip_update(theta, u, c, n)
+            clipped.append(arrays)
+            # client side, the client's bit (checked in reply_problem); the server's re-clip is
+            # fp32 rounding at most
+            unclipped.append(not (bit == 1 if (self.client_side and self.adaptive) else was_clipped))
+        update_std = self.update_multiplier * c / self.denominator
+        self.ledger.compose(self.update_multiplier, f"round {server_round} update")
+        mean = noisy_mean(theta, clipped, self.denominator, update_std, rng)
+        public: dict[str, Any] = {
+            "denominator": self.denominator,
+            "clip-norm": c,
+            "noise-multiplier": self.settings.noise_multiplier,
+            "update-noise-multiplier": self.update_multiplier,
+            "update-noise-std": update_std,
+        }
+        if self.adaptive:
+            self.ledger.compose(self.count_multiplier, f"round {server_round} clipped count")
+            share = noisy_unclipped_share(unclipped, self.denominator, self.count_std, rng)
+            self.clipping_norm = next_clip_norm(c, share, self.settings.target_quantile, self.settings.clip_norm_lr)
+            public.update({"count-noise-std": self.count_std, "unclipped-share": share, "next-clip-norm": self.clipping_norm})
+        diagnostics = {
+            "updates-averaged": len(updates),
+            "updates-clipped": sum(1 for u in unclipped if not u),
+            "update-norm-median": float(np.median(norms)) if norms else None,
+        }
+        return mean, public, diagnostics
 
-    def _clipped_view(self, view: Message, theta: Named, arrays: Named, norm: float, clip_norm: float) -> Message:
-        """Server side: ``view`` with its update clipped to ``clip_norm`` (:func:`clip_update`) and,
-        for adaptive clipping, the norm bit (1: clipped) the client-side wrapper reads."""
-        clipped_arrays, bit = clip_update(theta, arrays, clip_norm, norm)
-        metrics = {k: v for k, v in next(iter(view.content.metric_records.values())).items()}
-        if self.settings.clipping == "adaptive":
-            metrics[KEY_NORM_BIT] = int(bit)
-        content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in clipped_arrays.items()}), "metrics": MetricRecord(metrics)})
-        return Message(content=content, dst_node_id=view.metadata.dst_node_id, message_type=view.metadata.message_type)
-
+    # -- the score phase -------------------------------------------------------------------------
     def release_scores(
-        self, rows: list[tuple[int, list[float], list[float]]], rng: np.random.Generator, server_round: int = 0
-    ) -> tuple[list[tuple[int, list[float], list[float]]], dict[str, Any]]:
-        """FedTOPS's score replies as released: each client's clipped, noised (Ĵ_i, K̂_i); accounted."""
-        if not rows:
-            return rows, {}
-        s = self.settings
-        out = [(node, *privatize_scores(j, k, s, rng)) for node, j, k in rows]
-        self.ledger.compose(s.score_noise, len(rows), f"round {server_round} scores")
-        std_j, std_k = score_noise_stds(len(rows[0][1]), s.score_noise, s.teacher_score_max, s.change_score_max)
-        return out, {"score-noise-multiplier": s.score_noise, "score-noise-std": [std_j, std_k]}
+        self,
+        rows: Mapping[int, tuple[Sequence[float], Sequence[float]]],
+        asked: Sequence[int],
+        candidates: Sequence[float],
+        server_round: int = 0,
+        rng: np.random.Generator | None = None,
+    ) -> tuple[list[tuple[int, list[float], list[float]]], dict[str, Any], list[int]]:
+        """(one released row per node in ``asked``, in that order; the record's ``privacy`` fields
+        for the scores; the nodes whose row was the public one).
 
-    def replay(self, records: Iterable[Mapping[str, Any]], journal: Path | None = None) -> None:
-        """Resume: account every release so far and restore C (adaptive) from the complete rounds'
-        ``records``. The releases come from ``journal`` when it exists (it also holds those of a
-        round cut off before its record, whose noisy values may have reached the clients), else
-        from the records (a run folder written before the journal)."""
+        ``rows`` maps a node to its valid (Ĵ_i, K̂_i); a node of ``asked`` without one gets
+        :func:`public_score_row`. Every row is clipped and noised alike, so neither the number of
+        rows nor their noise depends on who answered."""
+        rng = np.random.default_rng() if rng is None else rng
+        s = self.settings
+        public = public_score_row(candidates, s.change_score_max)
+        filled = [n for n in asked if n not in rows]
+        self.ledger.compose(s.score_noise, f"round {server_round} scores")
+        out = [(n, *privatize_scores(*(rows[n] if n in rows else public), s, rng)) for n in asked]
+        std_j, std_k = score_noise_stds(len(candidates), s.score_noise, s.teacher_score_max, s.change_score_max)
+        return out, {"score-noise-multiplier": s.score_noise, "score-noise-std": [std_j, std_k], "score-rows": len(out)}, filled
+
+    # -- resume ----------------------------------------------------------------------------------
+    def replay(self, records: Iterable[Mapping[str, Any]], journal: Path) -> None:
+        """Resume: account every release in ``journal`` (it also holds those of a round cut off
+        before its record, whose noisy values may have reached the clients) and restore C
+        (adaptive) from the complete rounds' ``records``. A journal that is missing, unreadable
+        or shorter than the records say raises ValueError: the account would be too small."""
+        if not journal.is_file():
+            raise ValueError(f"{journal} is missing: the releases made so far cannot be accounted")
+        entries = read_journal(journal)
         records = list(records)
-        from_journal = journal is not None and journal.is_file()
-        if from_journal:
-            for z, m in read_journal(journal):
-                self.ledger.compose(z, m)
-        else:  # a folder from before the journal: the records' releases start it
-            self.ledger.journal = journal
+        recorded = max((int((r.get("privacy") or {}).get("releases", 0)) for r in records), default=0)
+        if len(entries) < recorded:
+            raise ValueError(f"{journal} holds {len(entries)} release(s), but the round records count {recorded}: it was cut or replaced")
+        for what, z in entries:
+            self.ledger.events.append(Release(what, z))  # already journalled, and spent whatever the budget now says
         for record in records:
             p = record.get("privacy") or {}
-            if not from_journal and "noise-multiplier" in p:
-                self.ledger.compose(float(p["noise-multiplier"]), int(p.get("clients", 1)))
-            if not from_journal and "score-noise-multiplier" in p:
-                self.ledger.compose(float(p["score-noise-multiplier"]), len(record.get("scored-node-ids") or [1]))
             if p.get("next-clip-norm"):
                 self.clipping_norm = float(p["next-clip-norm"])
 
 
-def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[Named, bool]:
-    """(θ_t + min(1, C/‖u‖)·u with u = arrays − θ_t, whether it was clipped): Flower's flat clipping
-    (``compute_clip_model_update``) in fp32, with a zero update (‖u‖ = 0) kept as it is: a client
-    that returns θ_t unchanged sends a valid update, and Flower's C/‖u‖ divides by zero."""
-    norm = update_norm(theta, arrays) if norm is None else norm
-    if not norm > clip_norm:  # 0 included
-        return {k: np.asarray(v, np.float32) for k, v in arrays.items()}, False
-    scale = clip_norm / norm
-    out = {}
-    for k, t in theta.items():
-        u = np.subtract(np.asarray(arrays[k], np.float32), np.asarray(t, np.float32))
-        u *= scale
-        out[k] = np.asarray(t, np.float32) + u
-    return out, True
-
-
-def read_journal(path: Path) -> list[tuple[float, int]]:
-    """(noise multiplier, clients) of every release in a run folder's :data:`JOURNAL`. A last line
+def read_journal(path: Path) -> list[tuple[str, float]]:
+    """(label, noise multiplier) of every release in a run folder's :data:`JOURNAL`. A last line
     cut off mid-write is left out (its release had not left the server); any other line that is
     not a release raises ValueError naming the file and line."""
     out = []
@@ -426,8 +531,11 @@ def read_journal(path: Path) -> list[tuple[float, int]]:
             continue
         try:
             entry = json.loads(line)
-            out.append((float(entry["noise-multiplier"]), int(entry["clients"])))
-        except (ValueError, KeyError, TypeError) as err:
+            z = float(entry["noise-multiplier"])
+            if not z >= 0:
+                raise ValueError(f"noise multiplier {z}")
+            out.append((str(entry.get("release", "")), z))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             if i == len(lines):  # no newline after it: the write was cut off
                 break
             raise ValueError(f"{path}, line {i}: not a privacy release ({err})") from None

@@ -33,7 +33,8 @@ RoundRecord = TypedDict(
         "bounds-skipped": str,  # why clip-norm / max-weight were not applied this round
         "aggregation-error": float | None,
         "aggregation-error-applied": float | None,
-        "privacy": dict[str, Any],
+        "privacy": dict[str, Any],  # a private run: only what may be published (noise, C, ε; docs/privacy.md)
+        "privacy-diagnostics": dict[str, Any],  # a private run: what is not private (norms, counts, who answered)
         # FedTOPS's score phase (fedtops_strategy/fedtops.py, fedtops_se.py)
         "candidates": list[float] | None,
         "teacher_scores": list[float | None] | None,
@@ -60,3 +61,35 @@ RoundRecord = TypedDict(
     },
     total=False,
 )
+
+
+# What a private run may publish of a round: the released values and what is computed from them
+# alone (docs/privacy.md). Everything else in the record (the clients' metrics, who was excluded
+# and why, who answered, norms, timings, traffic, the evaluation on the clients' prompts) is the
+# curator's and is not private. Under privacy, ``scored-node-ids`` lists every node the round asked
+# (one released row each) and ``sampled-node-ids`` is the public schedule.
+PUBLISHABLE = (
+    "round",
+    "strategy",
+    "multiplier",
+    "sampled-node-ids",
+    "candidates",
+    "teacher_scores",
+    "change_scores",
+    "client_teacher_scores",
+    "scored-node-ids",
+    "veto-counts",
+    "num-feasible",
+    "selected-multiplier",
+    "hold-node-ids",
+    "privacy",
+)
+
+
+def publishable(record: RoundRecord) -> dict[str, Any]:
+    """The keys of ``record`` that a private run may publish (:data:`PUBLISHABLE`), and ``held``
+    (a = 0: a fact about the released multiplier)."""
+    out = {k: record[k] for k in PUBLISHABLE if k in record}
+    if "multiplier" in out:
+        out["held"] = out["multiplier"] == 0.0
+    return out

@@ -8,7 +8,7 @@ A round's train phase, in order:
 2. **the boundary** (:mod:`fedtops_strategy.replies`): each reply becomes a typed
    :class:`~fedtops_strategy.replies.TrainReply` or a rejection naming the node and the reason;
    two replies that claim one partition are both refused; the averager may refuse more
-   (privacy: an update longer than the C it was sent);
+   (client-side adaptive privacy: a norm bit that the update's norm contradicts);
 3. **update bounds** (:mod:`fedtops_strategy.bounds`, ``strategy.clip-norm``, ``strategy.max-weight``);
 4. **the average** (:mod:`fedtops_strategy.averaging`): the weighted mean, a Flower robust
    aggregator or the DP mean, behind one interface;
@@ -175,6 +175,11 @@ class ReplyScreening:
             config["scoring-cache"] = self.scoring_cache
         self.averager.configure_train(config)  # client-side DP: the clipping norm for Flower's mod
         sampled = self.sampler.sample(self, super().configure_train, server_round, arrays, config, grid, self.sitting_out(server_round))
+        cap = self.averager.max_updates
+        if cap is not None and len(sampled) > cap:  # the DP mean's fixed n: more nodes connected than declared
+            log(WARNING, "round %d: %d nodes sampled, %d asked (the private mean's denominator)", server_round, len(sampled), cap)
+            sampled = sampled[:cap]  # Flower's draw is in random order: a random subset
+            self.sampler.sampled_node_ids = sorted(int(m.metadata.dst_node_id) for m in sampled)
         messages = self.prepare_messages(sampled, arrays)
         self._sent = messages  # the grid sets their message ids when it pushes them
         return messages

@@ -27,7 +27,7 @@ from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
 from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
-from fedtops_strategy.privacy import read_journal
+from fedtops_strategy.privacy import PrivacyBudgetSpent, read_journal
 from fedtops_strategy.sampling import NodesNotConnected
 from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
@@ -132,8 +132,10 @@ def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) 
         raise ConfigError(
             f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow"
         )
-    if (path / PRIVACY_JOURNAL).is_file():
+    if cfg.privacy.clipping != "off":  # no journal, no account: never a silent fallback
         try:
+            if not (path / PRIVACY_JOURNAL).is_file():
+                raise ValueError(f"{path / PRIVACY_JOURNAL} is missing")
             read_journal(path / PRIVACY_JOURNAL)
         except (OSError, ValueError) as err:
             raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
@@ -169,6 +171,12 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         num_partitions=num_clients if cfg.num_clients else None,
     )
     supports = capabilities(cfg.strategy.name)
+    if strategy.privacy is not None and not cfg.resume_from and strategy.privacy.rounds_within_budget(supports.score_phase, 1) == 0:
+        per_round = strategy.privacy.ledger.epsilons(strategy.privacy.round_multipliers(supports.score_phase))["epsilon"]
+        raise ConfigError(
+            f"run config 'privacy.max-epsilon' = {cfg.privacy.max_epsilon!r} is below the ε of one round ({per_round:.4g} at "
+            f"δ = {cfg.privacy.delta:g}): no round could run; allowed: a larger budget, or more noise"
+        )
     check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
@@ -182,7 +190,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         if done > 0 and not supports.per_client_adapters:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         if strategy.privacy is not None:  # the privacy spent so far, and adaptive clipping's C
-            strategy.privacy.replay([r for r in complete_rounds(run.path) if r["round"] <= done], run.path / PRIVACY_JOURNAL)
+            try:
+                strategy.privacy.replay([r for r in complete_rounds(run.path) if r["round"] <= done], run.path / PRIVACY_JOURNAL)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
@@ -190,6 +201,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         run.save_adapter(0, arrays)
     if strategy.privacy is not None:
         strategy.privacy.ledger.journal = run.path / PRIVACY_JOURNAL  # every release from here on, before it leaves
+        strategy.privacy.ledger.journal.touch()  # from the start: a resume refuses a folder without one
     grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
     run.write_status("running", done)
@@ -199,6 +211,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         log(ERROR, "FedTOPS run failed: %s", err)
         run.write_status("failed", error=str(err))
         raise
+    except PrivacyBudgetSpent as err:  # a release refused mid-round (the check before each round should have stopped it)
+        log(WARNING, "FedTOPS run stopped: %s", err)
+        run.write_status("budget-spent", error=str(err))
+        return run.path
     except BaseException as err:
         run.write_status("failed", error=f"{type(err).__name__}: {err}")
         raise
@@ -321,12 +337,22 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         scores = supports.score_phase
         unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
         log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
+        if cfg.privacy.max_epsilon:
+            fit = strategy.privacy.rounds_within_budget(scores, cfg.num_server_rounds - done)
+            log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, cfg.num_server_rounds - done)
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
         after_round(0, global_arrays)
     failed_rounds = 0  # consecutive rounds without a valid client update
     held_rounds = 0  # consecutive rounds that held with valid updates
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
+        # The budget, before anything of the round is released (its releases are known in advance)
+        stop = strategy.privacy.budget_stop(server_round, supports.score_phase) if strategy.privacy is not None else None
+        if stop is not None:
+            log(WARNING, "FedTOPS run stopped on its privacy budget: %s", stop)
+            run.write_status("budget-spent", server_round - 1, error=stop)
+            _finish(run, cfg, tensorboard, started_run)
+            return run.path
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
         config = ConfigRecord({"run-dir": str(run.path.resolve())})
         if server_round == done + 1 and done > 0:
@@ -360,10 +386,15 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         after_round(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # the round is recorded, excluded reasons and all
         if failure is not None:
             raise failure
+    run.write_status("completed", cfg.num_server_rounds)
+    _finish(run, cfg, tensorboard, started_run)
+    return run.path
+
+
+def _finish(run: RunFolder, cfg: RunConfig, tensorboard, started_run: float) -> None:
+    """Close the run's logs and print its summary (a run that completed or spent its budget)."""
     if tensorboard is not None:
         tensorboard.close()
-    run.write_status("completed", cfg.num_server_rounds)
     for line in run_summary(read_rounds(run.path), cfg.strategy.name, run.path.resolve(), time.perf_counter() - started_run):
         log(INFO, "%s", line)
     log(INFO, "FedTOPS run finished: %s", run.path.resolve())
-    return run.path

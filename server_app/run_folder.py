@@ -22,6 +22,7 @@ from flwr.common.logger import log
 
 from fedopd.config import RunConfig
 from fedopd.models.lora import save_adapter
+from fedtops_strategy.record import publishable
 from fedtops_strategy.text import escape
 from server_app.error_lines import KEPT_CHARS, root_cause
 
@@ -112,6 +113,7 @@ class RunFolder:
     def __init__(self, path: Path, cfg: RunConfig, lora_config, resolved: Mapping[str, Any] | None = None) -> None:
         self.path = path
         self.lora_config = lora_config
+        self.private = cfg.privacy.clipping != "off"
         config = cfg.to_run_config()
         if resolved:  # what the run config resolved to on this run's models, e.g. the stop token ids
             config[RESOLVED] = dict(resolved)
@@ -126,8 +128,10 @@ class RunFolder:
         return save_adapter(self.adapter_dir(server_round, client), arrays, self.lora_config)
 
     def write_status(self, status: str, rounds_done: int | None = None, error: str | None = None) -> None:
-        """``status.json``: ``running`` (with the last complete round), ``completed`` or ``failed``
-        (with the error), so a script can tell how a run ended (``python -m server_app.run_status``)."""
+        """``status.json``: ``running`` (with the last complete round), ``completed``, ``failed``
+        (with the error) or ``budget-spent`` (a private run stopped before a round that would
+        exceed ``privacy.max-epsilon``; ``error`` says by how much), so a script can tell how a run
+        ended (``python -m server_app.run_status``)."""
         state = {"status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if rounds_done is not None:
             state["rounds-done"] = rounds_done
@@ -214,6 +218,17 @@ class RunFolder:
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.path / "rounds.jsonl", "a") as f:
             f.write(json.dumps(_jsonable(record), sort_keys=True) + "\n")
+        if self.private:
+            self.write_published()
+
+    def write_published(self) -> None:
+        """``published.jsonl`` (a private run): what each complete round may publish
+        (:func:`fedtops_strategy.record.publishable`), rewritten whole from ``rounds.jsonl``, so
+        that it never holds a round that ``rounds.jsonl`` does not."""
+        lines = [json.dumps(publishable(r), sort_keys=True) + "\n" for r in read_rounds(self.path) if r.get("round", 0) > 0]
+        tmp = self.path / f".{PUBLISHED}.tmp"
+        tmp.write_text("".join(lines))
+        os.replace(tmp, self.path / PUBLISHED)
 
 
 def read_rounds(path: str | Path) -> list[dict[str, Any]]:
@@ -223,6 +238,7 @@ def read_rounds(path: str | Path) -> list[dict[str, Any]]:
 
 
 STATUS = "status.json"
+PUBLISHED = "published.jsonl"  # a private run: what may be published of each round (docs/privacy.md)
 CLIENT_ERRORS = "client-errors.log"  # the clients' error replies in full, one entry per reply
 BODY_MARK = "  | "  # starts each line of a client's text in client-errors.log (a header starts with '=== ')
 ENTRY_BODY_BYTES = KEPT_CHARS  # 64 KiB: the most bytes of one entry's body (the client's text, escaped)

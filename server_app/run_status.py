@@ -4,11 +4,13 @@
     python -m server_app.run_status run [flwr run arguments ...]
 
 The first form reads ``RUN_FOLDER/status.json`` (written by the ServerApp as the run goes) and
-exits 0 if the run completed, 1 if it failed (the error is printed), 3 if it is still running or
-stopped without a word (killed), 2 if the folder is not a run folder.
+exits 0 if the run completed or stopped on its privacy budget (``budget-spent``: it ran every round
+that ``privacy.max-epsilon`` allows; the reason is printed), 1 if it failed (the error is printed),
+3 if it is still running or stopped without a word (killed), 2 if the folder is not a run folder.
 
 The second runs ``flwr run ARGS --stream`` (``--stream`` added if missing), passes its output
-through, and exits 0 only if the run folder that the ServerApp announced is ``completed``:
+through, and exits 0 only if the run folder that the ServerApp announced is ``completed`` (or
+``budget-spent``):
 ``flwr run --stream`` itself exits 0 even when the app failed, e.g. on an invalid run config, in
 which case no run folder is announced and this exits 1 with a hint.
 """
@@ -25,7 +27,7 @@ from server_app.run_folder import STATUS, read_status
 
 FOLDER_LINE = re.compile(r"FedTOPS run folder: (\S+)")
 RUN_ID_LINE = re.compile(r"[Ss]uccessfully started run (\d+)")
-EXIT = {"completed": 0, "failed": 1}
+EXIT = {"completed": 0, "budget-spent": 0, "failed": 1}
 
 
 def folder_status(folder: Path) -> tuple[int, str]:

@@ -83,7 +83,7 @@ def test_the_run_config_refuses_what_a_strategy_declares_it_does_not_support(reg
     with pytest.raises(ConfigError, match="'strategy.max-vetoes' = 1 acts on FedTOPS's score replies"):
         parse_run_config({"strategy.name": plain, "strategy.max-vetoes": 1})
     # Privacy follows the declaration too.
-    private = {"privacy.clipping": "fixed", "privacy.noise-multiplier": 1.0}
+    private = {"privacy.clipping": "fixed", "privacy.noise-multiplier": 1.0, "num-clients": 3}
     assert parse_run_config({"strategy.name": plain, **private}).privacy.clipping == "fixed"
     with pytest.raises(ConfigError, match="'strategy.name' = 'no-average'"):
         parse_run_config({"strategy.name": solo, **private})

@@ -281,6 +281,12 @@ def _check_privacy(cfg: RunConfig) -> None:
             f"does not release that way; allowed: strategy.name one of {_registered('private')}, "
             f"or 'privacy.clipping' = 'off'"
         )
+    if not cfg.num_clients:
+        raise ConfigError(
+            f"run config {what} needs 'num-clients', the federation's declared size: the private mean divides by a fixed "
+            f"n computed from it and 'strategy.fraction-train', never by a count of who connected or replied; "
+            f"allowed: 'num-clients' >= 1 (now 0)"
+        )
     if not supports.score_phase:  # the score channel
         _only_defaults(
             p,
@@ -290,6 +296,18 @@ def _check_privacy(cfg: RunConfig) -> None:
         )
     if p.clipping != "adaptive":
         _only_defaults(p, _ADAPTIVE_KEYS, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
+    else:
+        from fedtops_strategy.privacy import count_stddev, private_denominator
+
+        n = private_denominator(cfg.num_clients, s.fraction_train, s.min_train_clients)
+        sigma_b = count_stddev(p, n)
+        if p.noise_multiplier > 0 and not p.noise_multiplier < 2 * sigma_b:
+            raise ConfigError(
+                f"run config 'privacy.noise-multiplier' = {p.noise_multiplier!r} with 'privacy.clipping' = 'adaptive' needs the "
+                f"count's noise σ_b > z/2, and σ_b = {sigma_b:g} ('privacy.clipped-count-stddev' = {p.clipped_count_stddev!r}"
+                f"{f', which means n/20 for n = {n}' if not p.clipped_count_stddev else ''}); allowed: "
+                f"'privacy.clipped-count-stddev' > {p.noise_multiplier / 2:g}, or a smaller noise multiplier"
+            )
     if s.aggregator != "fedavg":
         raise ConfigError(
             f"run config 'strategy.aggregator' = {s.aggregator!r} cannot be combined with {what}: the noise is "
@@ -302,6 +320,12 @@ def _check_privacy(cfg: RunConfig) -> None:
                 f"by the round's median, which depends on the other clients' data (privacy clips at privacy.clip-norm "
                 f"and weighs every update equally); allowed: 0"
             )
+    if p.max_epsilon and (p.noise_multiplier == 0 or (supports.score_phase and p.score_noise == 0)):
+        key, value = ("privacy.noise-multiplier", p.noise_multiplier) if p.noise_multiplier == 0 else ("privacy.score-noise", p.score_noise)
+        raise ConfigError(
+            f"run config 'privacy.max-epsilon' = {p.max_epsilon!r} cannot be met with '{key}' = {value!r}: a release without "
+            f"noise has ε = ∞; allowed: 'privacy.max-epsilon' = 0, or '{key}' > 0"
+        )
     if supports.score_phase and math.isfinite(s.trust_budget) and p.change_score_max <= s.trust_budget:
         raise ConfigError(
             f"run config 'privacy.change-score-max' = {p.change_score_max!r} must exceed 'strategy.trust-budget' = "

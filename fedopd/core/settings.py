@@ -133,6 +133,7 @@ class PrivacySettings:
     teacher_score_max: float = 1.0  # FedTOPS: Ĵ_i(a) is clipped to [0, this] (nats per cached position)
     change_score_max: float = 0.1  # FedTOPS: K̂_i(a) is clipped to [0, this]; must exceed strategy.trust-budget
     delta: float = 1e-5  # δ_DP at which ε is reported
+    max_epsilon: float = 0.0  # 0 = no budget; else the run stops before a round whose releases would take ε above this
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,7 @@ _key("privacy.score-noise", "privacy.score_noise", _float(0.0, strict=False))
 _key("privacy.teacher-score-max", "privacy.teacher_score_max", _float(0.0, strict=True))
 _key("privacy.change-score-max", "privacy.change_score_max", _float(0.0, strict=True))
 _key("privacy.delta", "privacy.delta", (float, lambda v: 0.0 < v < 1.0, "a number > 0 and < 1"))
+_key("privacy.max-epsilon", "privacy.max_epsilon", (float, lambda v: v == 0 or (v > 0 and math.isfinite(v)), "0 (no budget), or a finite number > 0"))
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
@@ -389,6 +391,7 @@ RESUME_FREE_KEYS = (
     "timeout.evaluate",
     "timeout.start",
     "logging.tensorboard",
+    "privacy.max-epsilon",  # a resumed run may get more (or less) budget: the journal keeps what was spent
 )
 
 
