@@ -337,6 +337,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         scores = supports.score_phase
         unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
         log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
+        if cfg.timeout.skip_after:
+            log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
         if cfg.privacy.max_epsilon:
             fit = strategy.privacy.rounds_within_budget(scores, cfg.num_server_rounds - done)
             log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, cfg.num_server_rounds - done)
