@@ -7,8 +7,8 @@ The relation, the mechanism and the derivation are in docs/privacy.md. In short:
   run's seed and the connected nodes) is the same in both and is not protected; what a client
   contributes, including whether it contributes at all, is.
 * **The update** (the same mechanism whichever side clips): each client's LoRA-factor update
-  u_i = θ_{t,i}^+ − θ_t is clipped to L2 norm C (:func:`clip_update`, on the server; with
-  ``privacy.side = 'client'`` also on the client, and again on the server), and the server
+  u_i = θ_{t,i}^+ − θ_t is clipped to L2 norm C (:func:`clipped_increment`, on the server, in
+  float64; with ``privacy.side = 'client'`` first on the client, :func:`clip_update`), and the server
   releases θ̃ = θ_t + (1/n)·Σ_i ū_i + N(0, (z·C/n)² I) with **n fixed before the run**
   (:func:`private_denominator`: the clients a round asks when ``num-clients`` are connected). A
   client that is not averaged (it failed, timed out, was refused at the boundary) adds a zero
@@ -85,7 +85,8 @@ def private_denominator(num_clients: int, fraction_train: float, min_train_clien
 
 
 def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[Named, bool]:
-    """(θ_t + min(1, C/‖u‖)·u with u = arrays − θ_t, whether it was clipped), in fp32. A zero
+    """(θ_t + min(1, C/‖u‖)·u with u = arrays − θ_t, whether it was clipped), in fp32: what a
+    client sends (the ClientApp's mod; the server clips again, :func:`clipped_increment`). A zero
     update (‖u‖ = 0) is kept as it is: a client that returns θ_t unchanged sends a valid update
     (Flower's ``compute_clip_model_update`` divides by ‖u‖, flwrlabs/flower#7631)."""
     norm = update_norm(theta, arrays) if norm is None else norm
@@ -99,17 +100,32 @@ def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | Non
     return out, True
 
 
-def noisy_mean(theta: Named, clipped: Sequence[Named], denominator: int, std: float, rng: np.random.Generator) -> Named:
-    """θ_t + (1/n)·Σ_i (clipped_i − θ_t) + N(0, std² I), in float64, returned as fp32 arrays.
+def clipped_increment(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[dict[str, np.ndarray], bool]:
+    """(ū = u·min(1, C/‖u‖) with u = arrays − θ_t, in float64, whether it was clipped): the
+    server's clip. Kept in float64 until the noise is added, so that ‖ū‖ ≤ C up to float64
+    rounding: re-forming ū from an fp32 θ_t + ū would round each entry by up to half an fp32 ulp of
+    θ_t, which a client can align with its update (with C ≲ 1e-5·‖θ_t‖ that doubled the
+    sensitivity). A zero update stays 0."""
+    u = {k: np.asarray(arrays[k], np.float64) - np.asarray(t, np.float64) for k, t in theta.items()}
+    norm = math.sqrt(sum(float(np.sum(v * v)) for v in u.values())) if norm is None else norm
+    if not norm > clip_norm:  # 0 included
+        return u, False
+    scale = clip_norm / norm
+    return {k: v * scale for k, v in u.items()}, True
 
-    ``clipped`` holds θ_t + ū_i for the updates averaged (at most n; the others add 0);
-    ``denominator`` is n, ``std`` the noise's standard deviation (z·C/n)."""
+
+def noisy_mean(theta: Named, increments: Sequence[Mapping[str, np.ndarray]], denominator: int, std: float, rng: np.random.Generator) -> Named:
+    """θ_t + (1/n)·Σ_i ū_i + N(0, std² I), in float64, returned as fp32 arrays (rounding the
+    released value is post-processing).
+
+    ``increments`` holds the clipped ū_i (float64) of the updates averaged (at most n; the
+    others add 0); ``denominator`` is n, ``std`` the noise's standard deviation (z·C/n)."""
     out = {}
     for k, t in theta.items():
         t64 = np.asarray(t, np.float64)
         total = np.zeros_like(t64)
-        for u in clipped:
-            total += np.asarray(u[k], np.float64) - t64
+        for u in increments:
+            total += u[k]
         noise = rng.normal(0.0, std, size=t64.shape) if std > 0 else 0.0
         out[k] = (t64 + total / denominator + noise).astype(np.float32)
     return out
@@ -448,8 +464,8 @@ class UpdatePrivacy:
         norms = [update_norm(theta, u) for u in updates]
         clipped, unclipped = [], []
         for u, n, bit in zip(updates, norms, bits):
-            arrays, was_clipped = clip_update(theta, u, c, n)
-            clipped.append(arrays)
+            increment, was_clipped = clipped_increment(theta, u, c, n)
+            clipped.append(increment)
             # client side, the client's bit (checked in reply_problem); the server's re-clip is
             # fp32 rounding at most
             unclipped.append(not (bit == 1 if (self.client_side and self.adaptive) else was_clipped))

@@ -3,7 +3,7 @@
 Everything that can be checked is checked before round 1 (run config, model names); a bad value
 stops the run with a message naming the key, and no run folder or adapter is created.
 A run in which no client returns a valid update in round 1, or in ``max-failed-rounds``
-consecutive rounds, stops after recording that round: ``status.json`` says ``failed`` with the
+consecutive rounds (0: never), stops after recording that round: ``status.json`` says ``failed`` with the
 clients' own error messages (each one's root cause's line, :func:`server_app.error_lines.root_cause`)
 and their node ids, and the ServerApp raises (:class:`RunFailed`). The full text of every error
 reply is in the run folder's ``client-errors.log``.
@@ -88,8 +88,9 @@ def failure_reasons(excluded: list[dict]) -> str:
 
 def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: int, record: dict) -> RunFailed | None:
     """The error that stops the run after ``server_round``, or None: no client returned a valid
-    update in round 1 (nothing can work), or in ``max_failed_rounds`` consecutive rounds."""
-    if failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
+    update in round 1 (nothing can work), or in ``max_failed_rounds`` consecutive rounds
+    (0: never, round 1 included: a private run whose length must not depend on who answered)."""
+    if failed_rounds == 0 or max_failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
         return None
     when = (
         f"round {server_round}"
@@ -97,6 +98,14 @@ def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: 
         else f"{failed_rounds} consecutive rounds ({server_round - failed_rounds + 1}-{server_round}); in round {server_round}"
     )
     return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
+
+
+def held_round(record: dict, private: bool) -> bool:
+    """Whether a round held, for ``max-held-rounds``: a = 0 with valid updates; under privacy
+    a = 0 alone (released), since who answered is not, and the run's length must not depend on it."""
+    if private:
+        return record.get("multiplier") == 0.0
+    return bool(record.get("clients") and record.get("hold-reason"))
 
 
 def held_failure(server_round: int, held_rounds: int, max_held_rounds: int, record: dict) -> RunFailed | None:
@@ -339,6 +348,13 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
         if cfg.timeout.skip_after:
             log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
+        if cfg.max_failed_rounds:
+            log(
+                WARNING,
+                "max-failed-rounds = %d: a private run that stops because no update arrived (in round 1, or in that many rounds) "
+                "tells that much, and the stop is not accounted; max-failed-rounds = 0 never stops on it (docs/privacy.md)",
+                cfg.max_failed_rounds,
+            )
         if cfg.privacy.max_epsilon:
             fit = strategy.privacy.rounds_within_budget(scores, cfg.num_server_rounds - done)
             log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, cfg.num_server_rounds - done)
@@ -381,7 +397,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         # evaluate when due; checkpoint and record the round
         record = strategy.records.get(server_round, {})
         failed_rounds = 0 if record.get("clients") else failed_rounds + 1
-        held_rounds = held_rounds + 1 if record.get("clients") and record.get("hold-reason") else 0
+        held_rounds = held_rounds + 1 if held_round(record, private=strategy.privacy is not None) else 0
         failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record) or held_failure(
             server_round, held_rounds, cfg.max_held_rounds, record
         )

@@ -276,6 +276,38 @@ def test_a_clipped_update_is_never_longer_than_c_beyond_fp32_rounding(theta, rep
     assert np.linalg.norm(u) <= clip_norm + slack
 
 
+def test_the_server_clips_in_float64_so_fp32_rounding_cannot_lengthen_an_update(monkeypatch):
+    # θ = 1 (fp32 ulp 2^-23 = 1.19e-7), each of 4 entries moved by 2 ulps, C = 2 × 0.7 ulp: clipped,
+    # each entry moves 0.7 ulp. Re-formed from fp32 θ + ū, each entry rounds to a whole ulp and the
+    # update is 1/0.7 = 1.43 × C long; kept in float64 it is C long.
+    import fedtops_strategy.privacy as privacy_module
+
+    ulp = 2.0**-23
+    theta = {"w": np.ones(4, np.float32)}
+    reply = {"w": np.full(4, 1.0 + 2 * ulp, np.float32)}
+    clip_norm = 2 * 0.7 * ulp
+    rounded, _ = clip_update(theta, reply, clip_norm)
+    assert np.linalg.norm(rounded["w"].astype(np.float64) - 1.0) == pytest.approx(2 * ulp, rel=1e-12)  # 1.43 C: what fp32 gives
+    summed = []
+    real_noisy_mean = privacy_module.noisy_mean
+    monkeypatch.setattr(privacy_module, "noisy_mean", lambda t, inc, *a: summed.extend(inc) or real_noisy_mean(t, inc, *a))
+    UpdatePrivacy(_dp(clip_norm=clip_norm), 1).release(1, [reply], [None], theta)
+    assert np.linalg.norm(summed[0]["w"]) == pytest.approx(clip_norm, rel=1e-12)
+
+
+@FIXED
+@given(
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=4, max_size=4),
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=4, max_size=4),
+    st.floats(1e-12, 1e3),
+)
+def test_the_server_s_clipped_increment_is_never_longer_than_c(theta, reply, clip_norm):
+    from fedtops_strategy.privacy import clipped_increment
+
+    increment, _ = clipped_increment({"w": np.array(theta, np.float32)}, {"w": np.array(reply, np.float32)}, clip_norm)
+    assert np.linalg.norm(increment["w"]) <= clip_norm * (1 + 1e-12)  # float64 rounding: a few 2^-53
+
+
 def test_the_noise_ignores_any_seed_set_before_and_leaves_numpy_s_stream_as_it_was():
     # A seed anyone can read (the run's) must not decide the noise, and NumPy's global stream goes on
     # as if the release had not happened.
@@ -774,6 +806,19 @@ def test_each_averaging_strategy_accepts_privacy(name):
     extra = {"strategy.multiplier": 2.0} if name == "fixed" else {}
     cfg = parse_run_config({**ON, "strategy.name": name, **extra})
     assert cfg.privacy.clipping == "fixed"
+
+
+def test_under_privacy_the_run_s_length_can_be_made_independent_of_who_answered():
+    # max-failed-rounds = 0 never stops on missing updates (round 1 included); max-held-rounds counts
+    # a released a = 0, not "a = 0 with valid updates" (who answered is not released).
+    from server_app.app import held_round, no_update_failure
+
+    assert parse_run_config({**ON, "max-failed-rounds": 0}).max_failed_rounds == 0
+    assert no_update_failure(1, 1, 0, {}) is None and no_update_failure(5, 5, 0, {}) is None
+    assert no_update_failure(1, 1, 3, {}) is not None  # the default still stops a federation where nothing works
+    no_update = {"multiplier": 0.0, "clients": [], "hold-reason": "no feasible candidate"}
+    assert held_round(no_update, private=True) and not held_round(no_update, private=False)
+    assert not held_round({"multiplier": 1.0, "clients": [{}]}, private=True)
 
 
 def test_under_privacy_a_silent_node_never_sits_out():

@@ -178,7 +178,7 @@ class LoggingSettings:
 class RunConfig:
     num_server_rounds: int = 8
     num_clients: int = 0  # 0: every node connected when the run starts
-    max_failed_rounds: int = 3  # stop the run (failed) after this many consecutive rounds without a valid update
+    max_failed_rounds: int = 3  # stop the run (failed) after this many consecutive rounds without a valid update; 0 = never
     max_held_rounds: int = 0  # stop the run (failed) after this many consecutive held rounds (a = 0); 0 = never
     seed: int = 42
     output_dir: str = "runs"
@@ -272,7 +272,7 @@ def _key(key: str, path: str, spec: tuple[type, Check, str]) -> None:
 _key("num-server-rounds", "num_server_rounds", _int(1))
 _key("num-clients", "num_clients", _int(0))
 _key("seed", "seed", _int(0))
-_key("max-failed-rounds", "max_failed_rounds", _int(1))
+_key("max-failed-rounds", "max_failed_rounds", _int(0))
 _key("max-held-rounds", "max_held_rounds", _int(0))
 _key("output-dir", "output_dir", _nonempty())
 _key("resume-from", "resume_from", (str, lambda v: True, "a run folder to continue, or '' for a new run"))
