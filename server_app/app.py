@@ -100,6 +100,12 @@ def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: 
     return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
 
 
+def max_failed_rounds(cfg: RunConfig, private: bool) -> int:
+    """``max-failed-rounds`` as it applies: 0 (never stop on missing updates) under privacy, where
+    the run's length must not depend on who answered."""
+    return 0 if private else cfg.max_failed_rounds
+
+
 def held_round(record: dict, private: bool) -> bool:
     """Whether a round held, for ``max-held-rounds``: a = 0 with valid updates; under privacy
     a = 0 alone (released), since who answered is not, and the run's length must not depend on it."""
@@ -109,8 +115,8 @@ def held_round(record: dict, private: bool) -> bool:
 
 
 def held_failure(server_round: int, held_rounds: int, max_held_rounds: int, record: dict) -> RunFailed | None:
-    """The error that stops the run after ``server_round`` when it held (a = 0 with valid
-    updates) in ``max_held_rounds`` consecutive rounds (0: never), naming why and the nodes."""
+    """The error that stops the run after ``server_round`` when it held (:func:`held_round`)
+    in ``max_held_rounds`` consecutive rounds (0: never), naming why and the nodes."""
     if not max_held_rounds or held_rounds < max_held_rounds:
         return None
     return RunFailed(
@@ -350,10 +356,9 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
         if cfg.max_failed_rounds:
             log(
-                WARNING,
-                "max-failed-rounds = %d: a private run that stops because no update arrived (in round 1, or in that many rounds) "
-                "tells that much, and the stop is not accounted; max-failed-rounds = 0 never stops on it (docs/privacy.md)",
-                cfg.max_failed_rounds,
+                INFO,
+                "max-failed-rounds has no effect under privacy: a run that stopped because no update arrived would tell that "
+                "much; a round without updates releases θ_t plus noise (docs/privacy.md)",
             )
         if cfg.privacy.max_epsilon:
             fit = strategy.privacy.rounds_within_budget(scores, cfg.num_server_rounds - done)
@@ -362,7 +367,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
     if done == 0:
         after_round(0, global_arrays)
     failed_rounds = 0  # consecutive rounds without a valid client update
-    held_rounds = 0  # consecutive rounds that held with valid updates
+    held_rounds = 0  # consecutive rounds that held (held_round)
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         # The budget, before anything of the round is released (its releases are known in advance)
         stop = strategy.privacy.budget_stop(server_round, supports.score_phase) if strategy.privacy is not None else None
@@ -398,7 +403,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         record = strategy.records.get(server_round, {})
         failed_rounds = 0 if record.get("clients") else failed_rounds + 1
         held_rounds = held_rounds + 1 if held_round(record, private=strategy.privacy is not None) else 0
-        failure = no_update_failure(server_round, failed_rounds, cfg.max_failed_rounds, record) or held_failure(
+        failure = no_update_failure(server_round, failed_rounds, max_failed_rounds(cfg, strategy.privacy is not None), record) or held_failure(
             server_round, held_rounds, cfg.max_held_rounds, record
         )
         after_round(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # the round is recorded, excluded reasons and all

@@ -7,7 +7,7 @@ HELP: dict[str, str] = {
     "num-clients": "clients in the run; 0 = every node connected when the run starts, n = wait for n nodes before round 1 (set it when deploying). Each round trains the `strategy.fraction-train` share of them",
     "seed": "every training random choice (initial adapter, prompt order, sampling, cache rollouts) derives from it, the round and the partition id",
     "max-held-rounds": "the run stops as `failed` after this many consecutive rounds that held (a = 0: no feasible candidate, or a non-finite adapter), naming the nodes that vetoed a = 1; 0 = never (the paper's rule may hold as long as it needs)",
-    "max-failed-rounds": "the run stops as `failed` when no client returns a valid update in round 1 or in this many consecutive rounds, with the clients' own error messages; 0 = never (a private run whose length must not depend on who answered: docs/privacy.md)",
+    "max-failed-rounds": "the run stops as `failed` when no client returns a valid update in round 1 or in this many consecutive rounds, with the clients' own error messages; 0 = never; no effect under privacy, where the run's length must not depend on who answered (docs/privacy.md)",
     "output-dir": "where run folders go",
     "resume-from": 'a run folder to continue ([docs/run-folder.md](run-folder.md#resuming-a-stopped-run)); `""` = a new run',
     "preset": "a label recorded with the run",
