@@ -89,7 +89,7 @@ def failure_reasons(excluded: list[dict]) -> str:
 def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: int, record: dict) -> RunFailed | None:
     """The error that stops the run after ``server_round``, or None: no client returned a valid
     update in round 1 (nothing can work), or in ``max_failed_rounds`` consecutive rounds
-    (0: never, round 1 included: a private run whose length must not depend on who answered)."""
+    (0: never, round 1 included; always 0 under privacy, :func:`max_failed_rounds`)."""
     if failed_rounds == 0 or max_failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
         return None
     when = (
@@ -186,12 +186,13 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         num_partitions=num_clients if cfg.num_clients else None,
     )
     supports = capabilities(cfg.strategy.name)
-    if strategy.privacy is not None and not cfg.resume_from and strategy.privacy.rounds_within_budget(supports.score_phase, 1) == 0:
-        per_round = strategy.privacy.ledger.epsilons(strategy.privacy.round_multipliers(supports.score_phase))["epsilon"]
-        raise ConfigError(
-            f"run config 'privacy.max-epsilon' = {cfg.privacy.max_epsilon!r} is below the ε of one round ({per_round:.4g} at "
-            f"δ = {cfg.privacy.delta:g}): no round could run; allowed: a larger budget, or more noise"
-        )
+    if strategy.privacy is not None and cfg.privacy.max_epsilon and not cfg.resume_from:
+        one_round = strategy.privacy.ledger.epsilons(strategy.privacy.round_multipliers(supports.score_phase))["epsilon"]
+        if one_round > cfg.privacy.max_epsilon:
+            raise ConfigError(
+                f"run config 'privacy.max-epsilon' = {cfg.privacy.max_epsilon!r} is below the ε of one round ({one_round:.4g} at "
+                f"δ = {cfg.privacy.delta:g}): no round could run; allowed: a larger budget, or more noise"
+            )
     check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.

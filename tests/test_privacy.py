@@ -56,6 +56,11 @@ def _strategy(name="fedavg", num_clients=2, **kw):
     return make_strategy(StrategySettings(name=name), num_clients=num_clients, privacy=_dp(**kw))
 
 
+def _fp32_vectors(size: int):
+    """Hypothesis: fp32-representable vectors of ``size`` entries in ±1e6."""
+    return st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=size, max_size=size)
+
+
 def _rel_se(n: int) -> float:
     """The relative standard error of a sample standard deviation over n normal draws."""
     return 1 / math.sqrt(2 * n)
@@ -262,11 +267,7 @@ def test_a_zero_update_is_a_valid_update_on_the_server():
 
 
 @FIXED
-@given(
-    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=3, max_size=3),
-    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=3, max_size=3),
-    st.floats(1e-3, 1e3),
-)
+@given(_fp32_vectors(3), _fp32_vectors(3), st.floats(1e-3, 1e3))
 def test_a_clipped_update_is_never_longer_than_c_beyond_fp32_rounding(theta, reply, clip_norm):
     t, r = np.array(theta, np.float32), np.array(reply, np.float32)
     clipped, _ = clip_update({"w": t}, {"w": r}, clip_norm)
@@ -296,11 +297,7 @@ def test_the_server_clips_in_float64_so_fp32_rounding_cannot_lengthen_an_update(
 
 
 @FIXED
-@given(
-    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=4, max_size=4),
-    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=4, max_size=4),
-    st.floats(1e-12, 1e3),
-)
+@given(_fp32_vectors(4), _fp32_vectors(4), st.floats(1e-12, 1e3))
 def test_the_server_s_clipped_increment_is_never_longer_than_c(theta, reply, clip_norm):
     from fedtops_strategy.privacy import clipped_increment
 
@@ -907,6 +904,15 @@ def test_a_run_stops_on_its_budget_after_the_last_round_that_fits(tmp_path, capl
     run_in_process({**config, "privacy.max-epsilon": 100.0, "resume-from": str(run)}, num_clients=2)
     assert json.loads((run / "status.json").read_text())["status"] == "completed"
     assert _records(run)[-1]["privacy"]["releases"] == 8
+
+
+def test_a_budget_below_one_round_is_refused_before_anything_is_written(tmp_path):
+    # One round of z = 2 and σ_s = 4 (one Gaussian of 1.789) costs ε ≈ 2.3 at δ = 1e-5.
+    from server_app.inprocess import run_in_process
+
+    with pytest.raises(ConfigError, match=r"'privacy.max-epsilon' = 1.0 is below the ε of one round \(2\.\d+"):
+        run_in_process({**RUN, "privacy.max-epsilon": 1.0, "output-dir": str(tmp_path / "runs")}, num_clients=2)
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
