@@ -22,6 +22,8 @@ strategy's name (:mod:`client_app.handlers`).
 
 from __future__ import annotations
 
+import math
+
 from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
@@ -93,8 +95,6 @@ def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
     (:func:`fedtops_strategy.privacy.clip_update`, which keeps a zero update as it is: Flower's
     ``fixedclipping_mod`` divides by its norm); adaptive: the norm bit ``norm_bit`` (1: clipped)
     in the reply's metrics, as Flower's ``adaptiveclipping_mod`` sends it. Else nothing."""
-    import math
-
     asking = [c for c in msg.content.config_records.values() if KEY_CLIPPING_NORM in c]
     if not asking:
         return call_next(msg, context)

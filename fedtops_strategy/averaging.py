@@ -28,6 +28,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp.strategy import FedTrimmedAvg, Krum, MultiKrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
 from fedopd.models.lora import Named, from_record
 
@@ -145,8 +146,6 @@ class PrivateMean(Averager):
         return self.privacy.view_metrics(reply.metrics)
 
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
-        from flwr.supercore.differential_privacy import KEY_NORM_BIT
-
         bits = [u.metrics.get(KEY_NORM_BIT) for u in updates]
         mean, public, diagnostics = self.privacy.release(server_round, [u.arrays for u in updates], bits, theta)
         # ε so far, in every round's record

@@ -194,8 +194,9 @@ def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, i
 def _clients_per_round(cfg: RunConfig) -> int:
     """The clients a round trains when ``num-clients`` are connected: Flower's FedAvg sample size
     (as ``fedtops_strategy.factory.make_strategy`` sets it up)."""
-    s = cfg.strategy
-    return max(int(s.fraction_train * cfg.num_clients), min(s.min_train_clients, cfg.num_clients))
+    from fedtops_strategy.privacy import private_denominator  # the same count is the private mean's n
+
+    return private_denominator(cfg.num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients)
 
 
 def _check_robustness(cfg: RunConfig) -> None:
@@ -297,17 +298,19 @@ def _check_privacy(cfg: RunConfig) -> None:
     if p.clipping != "adaptive":
         _only_defaults(p, _ADAPTIVE_KEYS, f"tunes adaptive clipping, which {what} does not use", "'privacy.clipping' = 'adaptive'")
     else:
-        from fedtops_strategy.privacy import count_stddev, private_denominator
+        from fedtops_strategy.privacy import adaptive_multipliers, count_stddev
 
-        n = private_denominator(cfg.num_clients, s.fraction_train, s.min_train_clients)
+        n = _clients_per_round(cfg)
         sigma_b = count_stddev(p, n)
-        if p.noise_multiplier > 0 and not p.noise_multiplier < 2 * sigma_b:
+        try:
+            adaptive_multipliers(p.noise_multiplier, sigma_b)
+        except ValueError:
             raise ConfigError(
                 f"run config 'privacy.noise-multiplier' = {p.noise_multiplier!r} with 'privacy.clipping' = 'adaptive' needs the "
                 f"count's noise σ_b > z/2, and σ_b = {sigma_b:g} ('privacy.clipped-count-stddev' = {p.clipped_count_stddev!r}"
                 f"{f', which means n/20 for n = {n}' if not p.clipped_count_stddev else ''}); allowed: "
                 f"'privacy.clipped-count-stddev' > {p.noise_multiplier / 2:g}, or a smaller noise multiplier"
-            )
+            ) from None
     if s.aggregator != "fedavg":
         raise ConfigError(
             f"run config 'strategy.aggregator' = {s.aggregator!r} cannot be combined with {what}: the noise is "
