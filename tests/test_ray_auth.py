@@ -229,24 +229,44 @@ def _stop_heads(heads: list[subprocess.Popen]) -> None:
             time.sleep(0.1)
 
 
+class _Heads:
+    """The two Ray heads, by kind. A head found dead when a test asks for it is started again:
+    `ray start --block` stops the whole head when any one of its processes exits, which a loaded
+    2-core CI machine has done between the fixture's start and a later test (the test then saw
+    "nothing answers" and failed on the fixture, not on the code). Its log goes to stderr."""
+
+    def __init__(self, roots: dict[str, Path]):
+        self.roots, self.heads, self.info = roots, {}, {}
+
+    def start(self, kind: str) -> None:
+        root = self.roots[kind]
+        self.heads[kind], self.info[kind] = _start_head(root, token=kind == "token")
+        host, port = self.info[kind]["address"].split(":")
+        ready = subprocess.run([sys.executable, str(TOOLS), "wait-port", host, port, "60"], check=False)
+        assert ready.returncode == 0, (root / "ray.log").read_text()
+
+    def __getitem__(self, kind: str) -> dict:
+        if self.heads[kind].poll() is not None or not resident._reachable(self.info[kind]["address"]):
+            log = (self.roots[kind] / "ray.log").read_text(errors="replace")
+            print(f"the {kind} Ray head had stopped; starting it again. Its log:\n{log[-3000:]}", file=sys.stderr)
+            _stop_heads([self.heads[kind]])
+            self.start(kind)
+        return self.info[kind]
+
+
 @pytest.fixture(scope="module")
 def ray_heads():
     """{"token": ..., "plain": ...}: two Ray heads started side by side, stopped and removed at the end."""
     if shutil.which("ray", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}") is None:
         pytest.skip("the ray command is not installed")
     roots = {kind: Path(tempfile.mkdtemp(prefix=f"ftr{kind[0]}", dir="/tmp")) for kind in ("token", "plain")}  # short socket paths
-    heads, info = [], {}
+    heads = _Heads(roots)
     try:
-        for kind, root in roots.items():
-            head, info[kind] = _start_head(root, token=kind == "token")
-            heads.append(head)
         for kind in roots:
-            host, port = info[kind]["address"].split(":")
-            ready = subprocess.run([sys.executable, str(TOOLS), "wait-port", host, port, "60"], check=False)
-            assert ready.returncode == 0, (roots[kind] / "ray.log").read_text()
-        yield info
+            heads.start(kind)
+        yield heads
     finally:
-        _stop_heads(heads)
+        _stop_heads(list(heads.heads.values()))
         for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
 
