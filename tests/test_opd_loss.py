@@ -139,3 +139,79 @@ def test_optimizer_state_round_trip_continues_training_identically():
     step(opt, w)
     step(opt2, w2)
     assert torch.equal(w.detach(), w2.detach())
+
+
+# --- the fused gradient (frozen student head) ---------------------------------------------------
+
+
+def _counting(head, calls):
+    def counted(h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["reverse_kl", "forward_kl", "jsd"])
+def test_the_fused_gradient_is_bit_for_bit_the_checkpointed_one_and_runs_each_head_once(name, dtype):
+    """The same chunks, the same ops, the same seed 1/tokens: the two ways to take the gradient are
+    one computation, so they agree exactly, in fp32 and in bf16 hidden states alike."""
+    from fedopd.distill.loss import DIVERGENCES
+    from fedopd.distill.opd import divergence_sum_from_hidden
+    from fedopd.models import fp32_head
+
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(37, 16, generator=gen).to(dtype)
+    ht = torch.randn(37, 24, generator=gen).to(dtype)
+    ws, wt = torch.randn(101, 16, generator=gen).to(dtype), torch.randn(101, 24, generator=gen).to(dtype)
+    tokens = 37
+    results = {}
+    for fused in (False, True):
+        s_calls, t_calls = [], []
+        hs = base.clone().requires_grad_(True)
+        total = divergence_sum_from_hidden(
+            hs,
+            _counting(lambda h: fp32_head(h, ws), s_calls),
+            ht,
+            _counting(lambda h: fp32_head(h, wt), t_calls),
+            DIVERGENCES[name],
+            0.3,
+            chunk_size=8,
+            fused_scale=float(torch.ones(()) / tokens) if fused else None,
+        )
+        (total / tokens).backward()
+        results[fused] = (total.detach(), hs.grad.clone(), sum(s_calls), sum(t_calls))
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert results[False][2] == results[False][3] == 2 * 37  # checkpointed: both heads again in the backward
+    assert results[True][2] == results[True][3] == 37  # fused: each position through each head once
+
+
+def test_the_fused_gradient_follows_any_incoming_gradient():
+    """A caller that scales the sum otherwise than the seed it announced still gets its gradient:
+    the kept gradient is rescaled. Seeded with 1 then scaled by 3, or seeded with 3: the same
+    backward rounds differently, each within the gradient bound of the checkpointed test above."""
+    from fedopd.distill.opd import divergence_sum_from_hidden
+
+    gen = torch.Generator().manual_seed(12)
+    ws, wt = torch.randn(31, 6, generator=gen), torch.randn(31, 9, generator=gen)
+    hs, ht = torch.randn(23, 6, generator=gen, requires_grad=True), torch.randn(23, 9, generator=gen)
+    (3.0 * divergence_sum_from_hidden(hs, lambda h: h @ ws.T, ht, lambda h: h @ wt.T, token_reverse_kl, chunk_size=5, fused_scale=1.0)).backward()
+    fused = hs.grad.clone()
+    hs.grad = None
+    (3.0 * divergence_sum_from_hidden(hs, lambda h: h @ ws.T, ht, lambda h: h @ wt.T, token_reverse_kl, chunk_size=5)).backward()
+    torch.testing.assert_close(fused, hs.grad, rtol=0, atol=PAIR * gradient_error(hs.grad, 3 * 31 + 6 + 8 + 1))
+
+
+def test_a_trainable_student_head_is_not_fused(tiny_pair):
+    """LoRA on the head (or a head tied to trainable weights): its gradient flows through the
+    checkpointed path, which the fused one would drop."""
+    student, _ = tiny_pair
+    head = student.causal_lm.get_output_embeddings()
+    assert not student.head_trainable()
+    head.weight.requires_grad_(True)
+    try:
+        assert student.head_trainable()
+    finally:
+        head.weight.requires_grad_(False)

@@ -305,3 +305,30 @@ def test_a_round_reports_its_long_phases_and_generation_steps(tiny_pair, monkeyp
 def test_a_short_round_reports_nothing(tiny_pair):
     lines, _ = _progress_lines(tiny_pair)
     assert lines == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_head_is_upcast_block_by_block_to_the_same_fp32_logits(dtype, monkeypatch):
+    """Blocks of head rows (forced small here: 7 rows of 40) give each logit the same H-term fp32
+    dot product as one fp32 copy of the whole head; its gradient sums 40 fp32 terms either way.
+    Both are within the fp32 sum bound γ_n·Σ|a||b| of the float64 product of the same values."""
+    from fedopd.models import fp32_head, head
+
+    monkeypatch.setattr(head, "HEAD_BLOCK_BYTES", 7 * 4 * 24)
+    assert head.head_block_rows(24) == 7
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 5, 24, generator=gen).to(dtype).requires_grad_(True)
+    w = torch.randn(40, 24, generator=gen).to(dtype)
+    out = fp32_head(h, w)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 40)
+    exact = h.detach().double() @ w.double().T
+    n = 24
+    assert torch.all((out.double() - exact).abs() <= n * U32 / (1 - n * U32) * (h.detach().double().abs() @ w.double().abs().T))
+    g = torch.randn(3, 5, 40, generator=gen)
+    out.backward(g)
+    exact_grad = g.double() @ w.double()
+    m = 40  # fp32 sums of 40 terms, then one rounding to the half type (unit roundoff u_half)
+    u_half = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    e = m * U32 / (1 - m * U32) * (g.double().abs() @ w.double().abs())
+    assert torch.all((h.grad.double() - exact_grad).abs() <= e * (1 + u_half) + u_half * exact_grad.abs())
+    assert h.grad.dtype == dtype

@@ -3,9 +3,11 @@
 The loss at a response position h is a divergence D(p_θ(·|h), q(·|h)) over the full vocabulary,
 from fp32 logits, averaged over the response tokens of a mini-batch (token mean). D is
 ``train.loss`` (:data:`fedopd.distill.loss.DIVERGENCES`, with β = ``train.loss-beta``): by default the
-paper's reverse KL(p_θ ‖ q). It is computed in chunks of positions, each under activation
-checkpointing, so that at most one chunk of fp32 (positions × vocabulary) intermediates is alive
-in the forward *and* in the backward pass.
+paper's reverse KL(p_θ ‖ q). It is computed in chunks of positions, so that at most one chunk of
+fp32 (positions × vocabulary) intermediates is alive at a time. When the student's head is frozen
+(LoRA never adapts it), each chunk's gradient with respect to the student's hidden states is taken
+in the forward pass itself (:class:`_FusedDivergenceSum`, as Liger-Kernel's fused linear losses
+do): neither head runs again in the backward pass, and the teacher's logits never enter autograd.
 
 The loop is written out nanoGPT-style: one epoch over the round's rollouts, mini-batches of
 ``train.mini-batch`` rollouts (one AdamW step each) accumulated from micro-batches of
@@ -94,6 +96,41 @@ def reverse_kl(
     return divergence_mean(student_logits, teacher_logits, mask, token_reverse_kl, chunk_size=chunk_size)
 
 
+class _FusedDivergenceSum(torch.autograd.Function):
+    """Σ over positions of ``divergence(student_head(hs), teacher_head(ht), beta)``, whose gradient
+    with respect to ``hs`` is computed chunk by chunk in the forward pass and kept (N × H_s, the
+    hidden states' dtype) for the backward, which only scales it.
+
+    Valid for a loss that is a sum of this value (nothing but ``hs`` carries a gradient through
+    the heads: the student's head is frozen). ``seed`` is the gradient the caller's backward is
+    expected to bring (1 / the mini-batch's tokens): each chunk's gradient is taken with that
+    seed, so the result is bit for bit the gradient of the checkpointed computation; any other
+    incoming gradient rescales it.
+    """
+
+    @staticmethod
+    def forward(ctx, hs, ht, student_head, teacher_head, divergence, beta, chunk_size, seed):
+        total = hs.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(hs)
+        for i in range(0, hs.shape[0], chunk_size):
+            with torch.no_grad():
+                teacher_logits = teacher_head(ht[i : i + chunk_size])
+            with torch.enable_grad():
+                h = hs[i : i + chunk_size].detach().requires_grad_(True)
+                loss = divergence(student_head(h), teacher_logits, beta).sum()
+                (grad[i : i + chunk_size],) = torch.autograd.grad(loss, h, grad_outputs=seed)
+            total = total + loss.detach()
+        ctx.save_for_backward(grad, seed)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad, seed = ctx.saved_tensors
+        if not torch.equal(grad_output, seed):
+            grad = (grad.float() * (grad_output / seed)).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
 def divergence_sum_from_hidden(
     student_hidden: torch.Tensor,
     student_head: Callable[[torch.Tensor], torch.Tensor],
@@ -102,14 +139,24 @@ def divergence_sum_from_hidden(
     divergence: Divergence = token_reverse_kl,
     beta: float = 0.5,
     chunk_size: int = DEFAULT_CHUNK,
+    *,
+    fused_scale: float | None = None,
 ) -> torch.Tensor:
     """Σ over N positions of ``divergence(student logits, teacher logits, beta)``, from packed
     hidden states (N, H_s) and (N, H_t).
 
-    The heads run inside each checkpointed chunk, so memory is O(N·H + chunk·V), never O(N·V).
+    The heads run one chunk of positions at a time, so memory is O(N·H + chunk·V), never O(N·V).
+    ``fused_scale`` (the factor the caller multiplies the sum by, 1 / tokens; only for a frozen
+    student head): the gradient is taken in the forward pass (:class:`_FusedDivergenceSum`);
+    otherwise each chunk is checkpointed and recomputed in the backward pass.
     """
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
         raise ValueError(f"{student_hidden.shape[0]} student positions vs {teacher_hidden.shape[0]} teacher positions")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if fused_scale is not None and torch.is_grad_enabled() and student_hidden.requires_grad:
+        seed = torch.ones((), dtype=torch.float32, device=student_hidden.device) * fused_scale
+        return _FusedDivergenceSum.apply(student_hidden, teacher_hidden, student_head, teacher_head, divergence, beta, chunk_size, seed)
 
     def chunk_loss(hs, ht):
         return divergence(student_head(hs), teacher_head(ht), beta).sum()
@@ -219,10 +266,12 @@ def minibatch_gradient(
     count, so micro-batches of unequal length weigh by their tokens, not equally.
     """
     tokens = max(sum(b.num_tokens for b in micro), 1)
+    # 1 / tokens as autograd computes it for the division below (an fp32 scalar)
+    scale = None if student.head_trainable() else float(torch.ones(()) / tokens)
     loss_sum = 0.0
     for b, th in zip(micro, hidden):
         hs = b.hidden(student)
-        loss = divergence_sum_from_hidden(hs, student.logits, th, teacher.logits, divergence, beta, chunk) / tokens
+        loss = divergence_sum_from_hidden(hs, student.logits, th, teacher.logits, divergence, beta, chunk, fused_scale=scale) / tokens
         loss.backward()
         loss_sum += loss.item()
     return loss_sum

@@ -92,6 +92,11 @@ class CausalLM:
             out = torch.tanh(out / cap) * cap
         return out
 
+    def head_trainable(self) -> bool:
+        """Whether any parameter of the LM head takes a gradient (LoRA targets the head, or its
+        weight is tied to trainable embeddings); the OPD loss fuses its gradient only when not."""
+        return any(p.requires_grad for p in self.causal_lm.get_output_embeddings().parameters())
+
     @property
     def vocab_width(self) -> int:
         return int(self.causal_lm.get_output_embeddings().weight.shape[0])
