@@ -53,6 +53,7 @@ def worker_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """What the worker's loaded models depend on, from a run config (validated)."""
     from fedopd import __version__
     from fedopd.config import parse_run_config
+    from fedopd.rollout.vllm_engine import run_max_num_seqs
 
     cfg = parse_run_config(dict(run_config))
     r = cfg.rollout
@@ -65,6 +66,7 @@ def worker_identity(run_config: Mapping[str, Any]) -> dict[str, Any]:
         "max-model-len": cfg.data.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens),
         "gpu-memory-utilization": r.gpu_memory_utilization,
         "stop-tokens": r.stop_tokens,
+        "max-num-seqs": run_max_num_seqs(cfg),
         "version": __version__,
     }
 
@@ -99,6 +101,30 @@ class ResidentWorker:
         from client_app.worker import model_loads
 
         return {"pid": os.getpid(), "model-loads": model_loads(), "identity": self.identity}
+
+    def processes(self) -> dict[str, Any]:
+        """This actor's node and its process tree (vLLM's engine and workers among them), as
+        (pid, start time) pairs: what :func:`stop_workers` ends if a graceful stop leaves any."""
+        import psutil
+        import ray
+
+        me = psutil.Process()
+        tree = [me, *me.children(recursive=True)]
+        pids = []
+        for proc in tree:
+            try:
+                pids.append([proc.pid, proc.create_time()])
+            except psutil.Error:
+                pass
+        return {"node": ray.get_runtime_context().get_node_id(), "pids": pids}
+
+    processes.__ray_concurrency_group__ = "control"  # what ray.method(concurrency_group=) sets: it answers while a message runs
+
+    def shutdown(self) -> None:
+        """Close the models (vLLM's engine process first): the graceful stop before ``ray.kill``."""
+        from client_app.worker import close_worker_models
+
+        close_worker_models()
 
 
 def connect(address: str = "auto", insecure: bool = False) -> None:
@@ -260,7 +286,7 @@ def get_worker(run_config: Mapping[str, Any], node_config: Mapping[str, Any]):
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     threads = _node_float(node_config, "worker-threads")
-    actor = ray.remote(ResidentWorker).options(
+    actor = ray.remote(concurrency_groups={"control": 1})(ResidentWorker).options(
         name=name,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -298,16 +324,67 @@ def list_workers() -> list[str]:
     return sorted(n for n in ray.util.list_named_actors() if n.startswith(PREFIX + "-"))
 
 
-def stop_workers(worker_name: str | None = None, keep: str | None = None) -> list[str]:
-    """Kill the workers (of ``worker_name``, or all), except ``keep``; their names."""
+GRACE_S = 120.0  # how long a worker gets to finish its message and close its engine before ray.kill
+
+
+def stop_workers(worker_name: str | None = None, keep: str | None = None, grace_s: float = GRACE_S) -> list[str]:
+    """Stop the workers (of ``worker_name``, or all), except ``keep``; their names.
+
+    Each is first asked to close its models (:meth:`ResidentWorker.shutdown`: vLLM's engine process
+    stops and frees its memory), then killed with ``ray.kill``, which runs no cleanup of its own;
+    any process of its tree still alive after that (on this node) is terminated, then killed: an
+    engine process can outlive its parent (vLLM's ``EngineCore`` does) and would keep its GPU memory.
+    """
     import ray
 
     stopped = []
     for name in list_workers():
         if (worker_name is None or worker_group(name) == worker_name) and name != keep:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            tree = _call(actor.processes, 10.0)
+            _call(actor.shutdown, grace_s)
+            ray.kill(actor, no_restart=True)
+            if tree and tree["node"] == ray.get_runtime_context().get_node_id():
+                _end_processes(tree["pids"])
             stopped.append(name)
     return stopped
+
+
+def _call(method, timeout: float):
+    """``ray.get(method.remote())`` or None if the actor does not answer in ``timeout`` seconds
+    (busy with a long message, or broken): the stop goes on without it."""
+    import ray
+
+    try:
+        return ray.get(method.remote(), timeout=timeout)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+        return None
+
+
+def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
+    """SIGTERM each (pid, start time) still running, SIGKILL what is left after ``wait_s``; a pid
+    reused by another process (another start time) is left alone."""
+    import psutil
+
+    alive = []
+    for pid, started in pids:
+        try:
+            proc = psutil.Process(int(pid))
+            if abs(proc.create_time() - started) < 1e-3:
+                alive.append(proc)
+        except psutil.Error:
+            pass
+    for proc in alive:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(alive, timeout=wait_s)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

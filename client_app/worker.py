@@ -4,11 +4,17 @@ In a simulation one process serves several logical clients, one message at a tim
 one student, one teacher and one rollout engine (the student's LoRA factors are loaded from the
 message before each use). Per-client state (θ_t, the scoring cache, the optimizer state) lives
 in each client's ``context.state``, never here.
+
+The models have a lifecycle: a run config that needs other models (another
+``rollout.gpu-memory-utilization``, say) closes the old ones first, so that vLLM's engine process
+and its memory are gone before the new engine asks for them; :func:`close_worker_models` does the
+same when the worker stops, and at the interpreter's exit.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import atexit
+import gc
 from logging import INFO
 
 from flwr.common.logger import log
@@ -18,9 +24,11 @@ from fedopd.data import Prompt, encode_prompts, heldout_rows, partition_rows
 from fedopd.engine.round import ClientModels, load_client_models
 from fedopd.models.positions import needed_positions
 from fedopd.models.vocab import ModelFiles, eos_conventions
+from fedopd.rollout.vllm_engine import run_max_num_seqs
 
 _PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
 _LOADS = [0]
+_MODELS: dict[tuple, ClientModels] = {}  # at most one entry: the models of the last config
 
 
 def model_loads() -> int:
@@ -28,7 +36,6 @@ def model_loads() -> int:
     return _LOADS[0]
 
 
-@lru_cache(maxsize=1)
 def worker_models(
     model: ModelSettings,
     lora: LoraSettings,
@@ -36,11 +43,17 @@ def worker_models(
     max_model_len: int,
     gpu_memory_utilization: float,
     stop_tokens: str = "auto",
+    max_num_seqs: int | None = None,
 ) -> ClientModels:
-    """One student, teacher and rollout engine per process (a new config replaces the old).
+    """One student, teacher and rollout engine per process; a new config closes the old ones
+    (:func:`close_worker_models`) before it loads its own.
 
     The LoRA init seed is irrelevant here: every message brings the factors to use.
     """
+    key = (model, lora, backend, max_model_len, gpu_memory_utilization, stop_tokens, max_num_seqs)
+    if key in _MODELS:
+        return _MODELS[key]
+    close_worker_models()
     _LOADS[0] += 1
     from transformers.utils import logging as hf_logging
 
@@ -54,18 +67,38 @@ def worker_models(
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
         stop_tokens=stop_tokens,
+        max_num_seqs=max_num_seqs,
     )
     note = eos_conventions(ModelFiles.of(models.student), ModelFiles.of(models.teacher))
     log(INFO, "rollouts stop at %s%s", list(models.stop_tokens.tokens), f" ({note})" if note else "")
     engine = "vLLM" if type(models.rollout).__name__ == "VLLMRolloutEngine" else "HF"
     log(INFO, "rollouts on %s; the student runs in %s (training and rollouts alike)", engine, str(models.student.dtype).removeprefix("torch."))
+    _MODELS[key] = models
     return models
+
+
+def close_worker_models() -> None:
+    """Close this process's models: stop the rollout engine (vLLM's engine process) and free the
+    HF models' memory. The next :func:`worker_models` loads anew."""
+    while _MODELS:
+        _, models = _MODELS.popitem()
+        models.rollout.close()
+        del models
+    _PROMPTS.clear()  # encoded with the old student's tokenizer
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+atexit.register(close_worker_models)  # an interpreter that exits normally leaves no engine behind
 
 
 def _models(cfg: RunConfig) -> ClientModels:
     r = cfg.rollout
     max_len = needed_positions(cfg.data.max_prompt_tokens, r.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.every else 0)
-    return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization, r.stop_tokens)
+    return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization, r.stop_tokens, run_max_num_seqs(cfg))
 
 
 def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int) -> tuple[Prompt, ...]:

@@ -109,6 +109,7 @@ def test_sampling_kwargs_are_exactly_our_config():
         "seed": 12345,
         "stop_token_ids": [151645, 151643],
         "ignore_eos": True,
+        "detokenize": False,  # only token ids are read
     }
     assert type(kw["stop_token_ids"]) is list
 
@@ -337,9 +338,36 @@ def test_vllms_cpu_build_refuses_head_sizes_its_attention_does_not_take():
     assert "head size is 16" in cpu_head_size_problem("m", no_head_dim)
 
 
-def test_an_engine_process_that_fails_to_start_says_where_the_cause_is(monkeypatch, tmp_path):
+# What vLLM 0.32's engine process prints before the client's "Engine core initialization failed"
+# (vllm/v1/core/kv_cache_utils.py, vllm/v1/worker/cpu_worker.py), with vLLM's process prefix.
+KV_TOO_SMALL = (
+    "(EngineCore pid=4242) ValueError: To serve at least one request with the model's max seq len (4096), (0.5 GiB KV cache is "
+    "needed, which is larger than the available KV cache memory (0.12 GiB). Based on the available memory, the estimated maximum model length is 980."
+)
+NOT_FREE = (
+    "(EngineCore pid=4242) ValueError: Available memory on node 0 (3.1/23.5 GiB) on startup is less than desired CPU memory "
+    "utilization (0.3, 7.05 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls the fraction of CPU memory reserved"
+)
+
+
+@pytest.mark.parametrize(
+    "printed, expected",
+    [
+        (KV_TOO_SMALL, "rollout.gpu-memory-utilization = 0.3 of the host's memory leaves too little for the KV cache: raise it"),
+        (NOT_FREE, "rollout.gpu-memory-utilization = 0.3 of the host's memory is more than is free: lower it"),
+        (
+            "(EngineCore pid=4242) RuntimeError: An attempt has been made to start a new process before the current process has "
+            "finished its bootstrapping phase.",
+            "the full traceback is in this client's log",
+        ),
+        ("", None),
+    ],
+)
+def test_an_engine_process_that_fails_to_start_says_vllms_own_cause_and_the_direction(printed, expected, monkeypatch, tmp_path, capfd):
     """vLLM raises only 'Engine core initialization failed. See root cause above.' in the client;
-    the cause (e.g. too little memory for the KV cache) is in the engine process's log."""
+    its engine process printed the cause (to the file descriptors this process shares with it)."""
+    import os
+
     from fedopd.config import LoraSettings
     from fedopd.models import lora_config
     from fedopd.rollout.vllm_engine import VLLMRolloutEngine
@@ -347,15 +375,71 @@ def test_an_engine_process_that_fails_to_start_says_where_the_cause_is(monkeypat
     fake = _FakeVLLM()
 
     def refuse(**kwargs):
+        os.write(1, b"(EngineCore pid=4242) INFO a line of vLLM's log\n")
+        os.write(2, b"Traceback (most recent call last):\n  File ...\n" + printed.encode() + b"\n")
         raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}")
 
     fake.modules["vllm"].LLM = refuse
     for name, module in fake.modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr("fedopd.rollout.vllm_engine.device_memory", lambda platform: None)
     with pytest.raises(RuntimeError) as err:
         VLLMRolloutEngine(
             "/m", ["a.lora_A.weight"], lora_config(LoraSettings(rank=4)), max_model_len=8, dtype="float32", workdir=tmp_path, platform="cpu"
         )
-    assert str(err.value).startswith("vLLM's engine process failed to start (Engine core initialization failed); vLLM printed the cause")
-    assert "rollout.gpu-memory-utilization = 0.3 of the host's memory" in str(err.value)
+    message = str(err.value)
+    if expected is None:
+        assert message == "vLLM's engine process failed to start (Engine core initialization failed); vLLM printed the cause in this client's log"
+    else:
+        cause = printed.removeprefix("(EngineCore pid=4242) ")
+        assert message == f"vLLM's engine process failed to start: {cause} ({expected}" + message[message.index(expected) + len(expected) :]
+        assert cause in message and "pid=4242" not in message
     assert err.value.__cause__ is None and err.value.__suppress_context__  # one line, no chain
+    out, errors = capfd.readouterr()  # and everything still reached this process's own output
+    assert "a line of vLLM's log" in out and printed in errors
+
+
+def test_a_share_of_memory_that_is_not_free_is_refused_before_vllm_starts(monkeypatch, tmp_path):
+    """4 GiB free of 80: 0.9 asks for 72; at most 0.05 fits (floor of 4/80 to two decimals)."""
+    from fedopd.config import LoraSettings
+    from fedopd.models import lora_config
+    from fedopd.rollout.vllm_engine import VLLMRolloutEngine, memory_request_problem
+
+    gib = 2**30
+    assert memory_request_problem(0.05, 4 * gib, 80 * gib, "cuda") is None  # 4.0 GiB of 4.0 free
+    problem = memory_request_problem(0.9, 4 * gib, 80 * gib, "cuda")
+    assert problem.startswith("rollout.gpu-memory-utilization = 0.9 asks vLLM for 72.0 GiB of the GPU (80.0 GiB), but only 4.0 GiB are free")
+    assert "lower rollout.gpu-memory-utilization (at most 0.05 fits now)" in problem and "nvidia-smi" in problem
+
+    fake, started = _FakeVLLM(), []
+    fake.modules["vllm"].LLM = lambda **kwargs: started.append(kwargs)
+    for name, module in fake.modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr("fedopd.rollout.vllm_engine.device_memory", lambda platform: (4 * gib, 80 * gib))
+    with pytest.raises(RuntimeError, match=r"asks vLLM for 72.0 GiB of the GPU"):
+        VLLMRolloutEngine(
+            "/m",
+            ["a.lora_A.weight"],
+            lora_config(LoraSettings(rank=4)),
+            max_model_len=8,
+            gpu_memory_utilization=0.9,
+            dtype="float32",
+            workdir=tmp_path,
+            platform="cuda",
+        )
+    assert started == []  # refused before vLLM was asked
+
+
+def test_vllm_is_sized_to_the_apps_largest_call():
+    """max_num_seqs: a round's rollouts (per-round 64) or an evaluation's prompts × samples
+    (32 × 8 = 256), whichever is larger; no evaluation, no evaluation batch."""
+    from fedopd.config import parse_run_config
+    from fedopd.rollout.vllm_engine import llm_kwargs, run_max_num_seqs, workload_max_num_seqs
+
+    assert workload_max_num_seqs(64) == 64 and workload_max_num_seqs(64, 32, 8) == 256 and workload_max_num_seqs(512, 4, 8) == 512
+    cfg = parse_run_config({"rollout.per-round": 64, "eval.every": 2, "eval.prompts-per-client": 32, "eval.samples": 8})
+    assert run_max_num_seqs(cfg) == 256
+    assert run_max_num_seqs(parse_run_config({"rollout.per-round": 64, "eval.every": 0, "eval.prompts-per-client": 32})) == 64
+    base = dict(lora_rank=8, max_model_len=64, gpu_memory_utilization=0.3, dtype="bfloat16", seed=0)
+    assert llm_kwargs("m", **base, max_num_seqs=96)["max_num_seqs"] == 96
+    assert "max_num_seqs" not in llm_kwargs("m", **base)  # vLLM's default

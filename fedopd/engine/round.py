@@ -47,6 +47,7 @@ def load_client_models(
     max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.3,
     stop_tokens: str = "auto",
+    max_num_seqs: int | None = None,
 ) -> ClientModels:
     """Student (LoRA attached), teacher and the rollout engine for ``backend``.
 
@@ -78,6 +79,7 @@ def load_client_models(
         max_model_len=context,
         gpu_memory_utilization=gpu_memory_utilization,
         seed=seed,
+        max_num_seqs=max_num_seqs,
     )
     return ClientModels(s, t, engine, stop)
 

@@ -29,6 +29,7 @@ def make_rollout_engine(
     max_model_len: int = 8192,
     gpu_memory_utilization: float = 0.3,
     seed: int = 0,
+    max_num_seqs: int | None = None,
     **hf_kwargs,
 ) -> RolloutEngine:
     """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
@@ -38,7 +39,8 @@ def make_rollout_engine(
 
     ``stop_token_ids``: where responses end on either engine (:func:`fedopd.models.vocab.resolve_stop_tokens`);
     None = the student's own EOS ids. ``max_model_len``: vLLM's context, at most the student's
-    positions (:func:`fedopd.models.positions.engine_context`).
+    positions (:func:`fedopd.models.positions.engine_context`). ``max_num_seqs``: vLLM's batch
+    limit, the app's largest call (:func:`fedopd.rollout.vllm_engine.workload_max_num_seqs`).
     """
     platform = vllm_platform() if backend != "hf" else None
     if resolve_backend(backend, platform) == "vllm":
@@ -55,5 +57,6 @@ def make_rollout_engine(
             dtype=torch_dtype_name(student.dtype),
             seed=seed,
             stop_token_ids=list(stop_token_ids) if stop_token_ids is not None else own_eos_ids(student),
+            max_num_seqs=max_num_seqs,
         )
     return HFRolloutEngine(student, stop_token_ids=stop_token_ids, **hf_kwargs)

@@ -62,3 +62,7 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Rollouts:
         """One sampled response per prompt."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (vLLM: its engine process). Called
+        when the worker's models are replaced and when the worker stops; a no-op by default."""

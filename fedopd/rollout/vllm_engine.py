@@ -39,8 +39,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import re
 import shutil
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -131,8 +136,31 @@ def check_vllm_sampling(temperature: float, key: str) -> None:
         )
 
 
+def workload_max_num_seqs(per_round: int, eval_prompts: int = 0, eval_samples: int = 0) -> int:
+    """vLLM's ``max_num_seqs`` for this app's largest ``generate`` call: a round's rollouts, or a
+    held-out evaluation's prompts × samples. vLLM's default (serving-sized: 256 on a GPU) sizes its
+    per-request buffers and the batch sizes whose CUDA graphs it captures at start; a larger call
+    than this only queues."""
+    return max(1, int(per_round), int(eval_prompts) * int(eval_samples))
+
+
+def run_max_num_seqs(cfg) -> int:
+    """:func:`workload_max_num_seqs` of a run config (its rollouts per round and, when it
+    evaluates, its held-out prompts × samples)."""
+    evaluates = cfg.eval.every > 0
+    return workload_max_num_seqs(cfg.rollout.per_round, cfg.eval.prompts_per_client if evaluates else 0, cfg.eval.samples)
+
+
 def llm_kwargs(
-    model: str, *, lora_rank: int, max_model_len: int, gpu_memory_utilization: float, dtype: str, seed: int, platform: str = "cuda"
+    model: str,
+    *,
+    lora_rank: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    dtype: str,
+    seed: int,
+    platform: str = "cuda",
+    max_num_seqs: int | None = None,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for a student served with one LoRA adapter at a time.
 
@@ -159,6 +187,7 @@ def llm_kwargs(
         # No sampling defaults from the model's generation_config.json (vllm/config/model.py
         # get_diff_sampling_param returns {} for "vllm"); its EOS ids are still read.
         generation_config="vllm",
+        **({"max_num_seqs": int(max_num_seqs)} if max_num_seqs else {}),
     )
 
 
@@ -186,6 +215,7 @@ def sampling_kwargs(params: SamplingParams, seed: int, stop_token_ids: Sequence[
         seed=int(seed),
         stop_token_ids=stop,
         ignore_eos=bool(stop),
+        detokenize=False,  # only token ids are read; the stop set is ids, not strings
     )
 
 
@@ -235,15 +265,133 @@ def finished(
     )
 
 
-def engine_start_failure(message: str, platform: str, gpu_memory_utilization: float) -> str:
-    """The error of a vLLM engine process that failed to start, whose cause vLLM printed to the
-    client's log rather than raised (``message``: vLLM's own ``RuntimeError``)."""
-    memory = "the host's memory" if platform == "cpu" else "the GPU"
+def memory_request_problem(share: float, free_bytes: int, total_bytes: int, platform: str) -> str | None:
+    """Why vLLM cannot have ``share`` of the device's ``total_bytes`` when ``free_bytes`` are free,
+    or None. vLLM asks for ``share × total`` at start (``vllm/v1/worker/utils.py``: "Free memory on
+    device ... is less than desired GPU memory utilization"; its CPU build, ``cpu_worker.py``, the
+    same of the host's memory) and would fail in its engine process with a message the client never
+    sees; this one names the key and the direction."""
+    requested = float(share) * total_bytes
+    if requested <= free_bytes:
+        return None
+    gib = 2**30
+    device = "the host's memory" if platform == "cpu" else "the GPU"
+    fits = math.floor(100 * free_bytes / total_bytes) / 100 if total_bytes else 0.0
+    holders = "other processes" if platform == "cpu" else "other processes (a vLLM engine left over from an earlier run? see nvidia-smi)"
     return (
-        f"vLLM's engine process failed to start ({message.split('. ')[0].strip()}); vLLM printed the cause in this client's log. "
-        f"Most often too little memory: rollout.gpu-memory-utilization = {gpu_memory_utilization:g} of {memory} must hold the "
-        "weights and a KV cache (raise it, or lower data.max-prompt-tokens / rollout.max-new-tokens)"
+        f"rollout.gpu-memory-utilization = {share:g} asks vLLM for {requested / gib:.1f} GiB of {device} "
+        f"({total_bytes / gib:.1f} GiB), but only {free_bytes / gib:.1f} GiB are free: lower rollout.gpu-memory-utilization "
+        f"(at most {fits:g} fits now), or free the memory that {holders} hold"
     )
+
+
+def device_memory(platform: str) -> tuple[int, int] | None:
+    """(free, total) bytes of the device vLLM will use: the current CUDA device, or the host's
+    memory for vLLM's CPU build; None where this process cannot tell (no CUDA device)."""
+    if platform == "cpu":
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+# The last exception line vLLM's engine process printed ("ValueError: ..."), with or without the
+# "(EngineCore pid=...) " prefix vLLM puts on its child processes' lines.
+_CAUSE = re.compile(r"^(?:\(\w+ pid=\d+\) )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b: .+)$")
+# Causes whose fix is a larger share: too little memory left for the KV cache.
+_TOO_SMALL = ("No available memory for the cache blocks", "larger than the available KV cache memory")
+# Causes whose fix is a smaller share: the share asked for is not free.
+_TOO_LARGE = ("is less than desired GPU memory utilization", "is less than desired CPU memory utilization", "is less than the engine's budget")
+
+
+def start_failure_cause(output: str) -> str | None:
+    """vLLM's own cause of a failed engine start, from what its processes printed: the last
+    exception line of the output (a traceback's last line), without vLLM's process prefix."""
+    for line in reversed(output.splitlines()):
+        match = _CAUSE.match(line.strip())
+        if match and "Engine core initialization failed" not in match.group(1):
+            return match.group(1)
+    return None
+
+
+def engine_start_failure(message: str, platform: str, gpu_memory_utilization: float, cause: str | None = None) -> str:
+    """The error of a vLLM engine process that failed to start (``message``: vLLM's own
+    ``RuntimeError``, which says only that it failed; ``cause``: what its engine process printed,
+    :func:`start_failure_cause`), with the direction to move ``rollout.gpu-memory-utilization``
+    only where the cause says which."""
+    memory = "the host's memory" if platform == "cpu" else "the GPU"
+    share = f"rollout.gpu-memory-utilization = {gpu_memory_utilization:g} of {memory}"
+    if cause is None:
+        return f"vLLM's engine process failed to start ({message.split('. ')[0].strip()}); vLLM printed the cause in this client's log"
+    if any(s in cause for s in _TOO_SMALL):
+        advice = f"{share} leaves too little for the KV cache: raise it, or lower data.max-prompt-tokens / rollout.max-new-tokens"
+    elif any(s in cause for s in _TOO_LARGE):
+        advice = f"{share} is more than is free: lower it, or free the memory other processes hold"
+    else:
+        advice = "the full traceback is in this client's log"
+    return f"vLLM's engine process failed to start: {cause} ({advice})"
+
+
+class _Tee:
+    """Copies of what this process and the processes it starts write to file descriptors 1 and 2
+    (the last ``keep`` bytes of each), while everything still reaches them: vLLM's engine process
+    prints the cause of a failed start there and raises only "Engine core initialization failed".
+    The copying outlives the block for as long as a child started inside it writes."""
+
+    def __init__(self, keep: int = 64 * 1024) -> None:
+        self.keep, self.chunks, self._saved, self._lock = keep, {1: b"", 2: b""}, {}, threading.Lock()
+
+    def __enter__(self) -> _Tee:
+        for fd in (1, 2):
+            try:
+                saved = os.dup(fd)
+            except OSError:
+                continue  # no such descriptor: nothing to copy
+            read, write = os.pipe()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (AttributeError, ValueError, OSError):
+                    pass
+            os.dup2(write, fd)
+            os.close(write)
+            self._saved[fd] = saved
+            threading.Thread(target=self._pump, args=(fd, read, os.dup(saved)), daemon=True).start()
+        return self
+
+    def _pump(self, fd: int, read: int, out: int) -> None:
+        try:
+            while data := os.read(read, 65536):
+                try:
+                    os.write(out, data)
+                except OSError:
+                    pass
+                with self._lock:
+                    self.chunks[fd] = (self.chunks[fd] + data)[-self.keep :]
+        finally:
+            os.close(read)
+            os.close(out)
+
+    def __exit__(self, *exc) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+
+    def text(self) -> str:
+        time.sleep(0.2)  # the engine process's last lines, still in the pipe
+        with self._lock:
+            return (self.chunks[1] + b"\n" + self.chunks[2]).decode(errors="replace")
 
 
 def sampled_logprobs(token_ids: Sequence[int], per_position) -> list[float]:
@@ -277,6 +425,8 @@ class VLLMRolloutEngine(RolloutEngine):
         Where responses end (kept as their last token); empty = vLLM's default (the model's EOS ids).
     platform : str, optional
         ``"cuda"`` or ``"cpu"`` (vLLM's CPU build); None = :func:`vllm_platform` of this host.
+    max_num_seqs : int, optional
+        The largest batch the app sends (:func:`workload_max_num_seqs`); None = vLLM's default.
     logprobs : bool
         Also return each response token's log-probability as vLLM reports it (raw: the model's
         distribution before temperature and top-p) in :attr:`Rollouts.logprobs`.
@@ -296,6 +446,7 @@ class VLLMRolloutEngine(RolloutEngine):
         workdir: str | Path | None = None,
         logprobs: bool = False,
         platform: str | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.platform = platform or vllm_platform() or "cuda"
         kwargs = llm_kwargs(
@@ -306,6 +457,7 @@ class VLLMRolloutEngine(RolloutEngine):
             dtype=dtype,
             seed=seed,
             platform=self.platform,
+            max_num_seqs=max_num_seqs,
         )  # checks the rank and the dtype before vLLM starts
         from vllm import LLM
 
@@ -313,14 +465,21 @@ class VLLMRolloutEngine(RolloutEngine):
         self.lora_config = lora_config
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.logprobs = bool(logprobs)
+        memory = device_memory(self.platform)
+        problem = memory and memory_request_problem(gpu_memory_utilization, *memory, self.platform)
+        if problem:
+            raise RuntimeError(problem)
+        tee = _Tee()
         try:
-            self.llm = LLM(**kwargs)
+            with tee:
+                self.llm = LLM(**kwargs)
         except RuntimeError as err:
             if "Engine core initialization failed" not in str(err):
                 raise
-            # vLLM's engine process printed why to this process's log; the exception says only that
-            # it failed. One line that points there (and no chain: the run's error shows this line).
-            raise RuntimeError(engine_start_failure(str(err), self.platform, gpu_memory_utilization)) from None
+            # vLLM's engine process printed why; the exception says only that it failed. vLLM's
+            # own cause, in one line (and no chain: the run's error shows this line).
+            cause = start_failure_cause(tee.text())
+            raise RuntimeError(engine_start_failure(str(err), self.platform, gpu_memory_utilization, cause)) from None
         self.dtype = torch_dtype_name(self.llm.llm_engine.model_config.dtype)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         if self.dtype != dtype:
@@ -352,6 +511,8 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.llm is None:
+            raise RuntimeError("VLLMRolloutEngine.generate after close(): its engine process has stopped")
         if self._request is None:
             raise RuntimeError("VLLMRolloutEngine.generate before set_adapter: which student weights?")
         extra = {"logprobs": 0} if self.logprobs else {}  # 0: the sampled token's own log-probability
@@ -383,7 +544,9 @@ class VLLMRolloutEngine(RolloutEngine):
             core.shutdown()
 
     def close(self) -> None:
-        """Stop vLLM's engine process and remove the adapter folders this engine wrote."""
+        """Stop vLLM's engine process and remove the adapter folders this engine wrote (once; a
+        closed engine generates no more)."""
         self._shutdown()
-        if self._own_workdir:
+        self.llm = None
+        if getattr(self, "_own_workdir", False):
             shutil.rmtree(self.workdir, ignore_errors=True)
