@@ -216,14 +216,14 @@ def test_train_loss_forward_kl_trains_differently_from_reverse_kl(tiny_pair):
 
 @pytest.mark.slow
 def test_the_loss_of_a_jsd_step_is_the_float64_jsd_of_its_logits(tiny_pair):
-    from fedopd.distill.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
+    from fedopd.distill.opd import local_opd, make_micro_batches, round_plan, teacher_pass, use_packing
 
     student, teacher = tiny_pair
     theta = student.get_lora_arrays()
     beta = 0.3  # not the default 0.5: the value must come from train.loss-beta
     rollouts = _rollouts(student, 4, seed=4)
     settings = dataclasses.replace(parse_run_config(TINY).train, loss="jsd", loss_beta=beta, mini_batch=4, micro_batch=4)
-    plan = micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch)  # one step, one micro-batch
+    plan = round_plan(rollouts, settings)  # one step, one micro-batch
     batches = make_micro_batches(rollouts, plan, 0, student.device, use_packing(student, settings.packing))
     hidden = teacher_pass(teacher, batches)
     (batch,), (th,) = batches.values(), hidden.values()

@@ -242,12 +242,53 @@ class OPDResult:
     metrics: dict[str, float]
 
 
-def micro_batches(num_rollouts: int, mini_batch: int, micro_batch: int) -> list[list[list[int]]]:
-    """Rollout indices grouped as mini-batches of micro-batches, in order (one epoch)."""
+def micro_batches(num_rollouts: int, mini_batch: int, micro_batch: int, lengths: Sequence[int] | None = None) -> list[list[list[int]]]:
+    """Rollout indices grouped as mini-batches of micro-batches (one epoch).
+
+    Mini-batches are consecutive rollouts, in order: one optimizer step each. ``lengths`` (each
+    rollout's prompt + response tokens): within a mini-batch, micro-batches of rollouts of similar
+    length (sorted by length, stably), which pads the least of any split into micro-batches of
+    these sizes; the mini-batch's token-mean loss and its gradient are the same sums over the same
+    tokens, in another order. None: micro-batches in rollout order.
+    """
     if mini_batch % micro_batch:
         raise ValueError(f"train.mini-batch = {mini_batch} is not a multiple of train.micro-batch = {micro_batch}")
+    if lengths is not None and len(lengths) != num_rollouts:
+        raise ValueError(f"micro_batches: {len(lengths)} lengths for {num_rollouts} rollouts")
     minis = [list(range(s, min(s + mini_batch, num_rollouts))) for s in range(0, num_rollouts, mini_batch)]
+    if lengths is not None:
+        minis = [sorted(m, key=lambda i: lengths[i]) for m in minis]
     return [[m[i : i + micro_batch] for i in range(0, len(m), micro_batch)] for m in minis]
+
+
+def round_plan(rollouts, settings) -> list[list[list[int]]]:
+    """The epoch's micro-batches for these rollouts under a :class:`TrainSettings`
+    (``train.mini-batch``, ``train.micro-batch``), grouped by length (:func:`micro_batches`)."""
+    return micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch, sequence_lengths(rollouts))
+
+
+def sequence_lengths(rollouts) -> list[int]:
+    """Each rollout's prompt + response tokens: the row it takes in a padded micro-batch."""
+    return [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+
+
+def padding_share(plan: list[list[list[int]]], lengths: Sequence[int]) -> float:
+    """The share of a padded epoch's token slots that are padding: Σ (rows × longest row − Σ rows)
+    over the micro-batches of ``plan``, over Σ rows × longest row."""
+    slots = sum(len(idx) * max(lengths[i] for i in idx) for mini in plan for idx in mini)
+    return 1.0 - sum(lengths) / slots if slots else 0.0
+
+
+def hidden_in_rollout_order(hidden: dict[tuple[int, ...], torch.Tensor], response_lengths: Sequence[int]) -> torch.Tensor:
+    """The per-micro-batch hidden states at response positions (keyed by rollout indices, each
+    listing its rollouts' response positions in key order) as one (N, H) tensor in rollout order."""
+    rows: dict[int, torch.Tensor] = {}
+    for key, h in hidden.items():
+        for i, part in zip(key, torch.split(h, [int(response_lengths[i]) for i in key])):
+            rows[i] = part
+    if sorted(rows) != list(range(len(response_lengths))):
+        raise ValueError(f"hidden states for rollouts {sorted(rows)}, expected 0..{len(response_lengths) - 1}")
+    return torch.cat([rows[i] for i in range(len(response_lengths))])
 
 
 def minibatch_gradient(
@@ -419,7 +460,7 @@ def local_opd(
     if len(rollouts) == 0:
         raise ValueError("local_opd: no rollouts to train on")
     divergence, beta = training_divergence(settings)
-    plan = micro_batches(len(rollouts), settings.mini_batch, settings.micro_batch)
+    plan = round_plan(rollouts, settings)
     if batches is None:
         pad = student.tokenizer.pad_token_id or 0
         batches = make_micro_batches(rollouts, plan, pad, student.device, use_packing(student, settings.packing))

@@ -11,14 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedopd.core.settings import CacheSettings, LoraSettings, RolloutSettings, TrainSettings
 from fedopd.data import Prompt, round_indices
 from fedopd.data.grading import is_correct
 from fedopd.data.prompts import untrained_indices
 from fedopd.distill.cache import ScoringCache, build_scoring_cache, score_candidates
-from fedopd.distill.opd import local_opd, make_micro_batches, micro_batches, teacher_pass, use_packing
+from fedopd.distill.opd import hidden_in_rollout_order, local_opd, make_micro_batches, round_plan, teacher_pass, use_packing
 from fedopd.engine.heldout import evaluate_heldout, heldout_correctness  # noqa: F401 - re-exported: the old import path
 from fedopd.models.load import CausalLM, load_pair
 from fedopd.models.positions import engine_context, model_positions
@@ -160,7 +159,7 @@ def train_round(
     t2 = time.perf_counter()
 
     # The teacher runs once per rollout: the loss and the scoring cache both read this pass.
-    plan = micro_batches(len(rollouts), train.mini_batch, train.micro_batch)
+    plan = round_plan(rollouts, train)  # micro-batches of similar lengths: the least padding
     pad = models.student.tokenizer.pad_token_id or 0
     batches = make_micro_batches(rollouts, plan, pad, models.student.device, use_packing(models.student, train.packing))
     hidden = teacher_pass(models.teacher, batches, teacher_batch)
@@ -174,7 +173,7 @@ def train_round(
         models.student.set_lora_arrays(theta)
         scoring_cache = build_scoring_cache(models.student, models.teacher, held, cache, derive_seed(seed, server_round, 2))
     elif build_cache:
-        all_hidden = torch.cat(list(hidden.values()))  # plan order = rollout order
+        all_hidden = hidden_in_rollout_order(hidden, rollouts.response_lengths)
         scoring_cache = build_scoring_cache(
             models.student, models.teacher, rollouts, cache, derive_seed(seed, server_round, 2), teacher_hidden=all_hidden
         )
