@@ -182,7 +182,7 @@ def bench_padding(models, args) -> None:
 def bench_paper_round(args) -> None:
     from fedopd.config import RunConfig
     from fedopd.distill.cache import score_candidates
-    from fedopd.engine.round import ClientModels, score_round, train_round
+    from fedopd.engine.round import ClientModels, RoundPlan, score_round, train_round
     from fedopd.models.lora import increment
     from fedopd.rollout import HFRolloutEngine
 
@@ -198,19 +198,10 @@ def bench_paper_round(args) -> None:
     _reset_peak()
     rows = []
     for server_round in (1, 2):  # round 1 warms up kernels and allocator; round 2 is reported
-        out = train_round(
-            models,
-            theta,
-            prompts,
-            rollout=rollout,
-            cache=cfg.cache,
-            train=train,
-            server_round=server_round,
-            seed=0,
-            step_offset=0,
-            total_steps=8,
-            teacher_batch=2,
+        plan = RoundPlan(
+            server_round=server_round, seed=0, rollout=rollout, cache=cfg.cache, train=train, step_offset=0, total_steps=8, teacher_batch=2
         )
+        out = train_round(models, theta, prompts, plan)
         delta = increment(out.arrays, theta)
         _sync()
         t1 = time.perf_counter()
@@ -255,7 +246,7 @@ def bench_round(args) -> None:
         return bench_paper_round(args)
     from fedopd.config import RunConfig
     from fedopd.data import encode_prompts, tiny_arith_partition
-    from fedopd.engine.round import load_client_models, score_round, train_round
+    from fedopd.engine.round import RoundPlan, load_client_models, score_round, train_round
     from fedopd.models.lora import increment
 
     cfg = RunConfig()
@@ -267,18 +258,10 @@ def bench_round(args) -> None:
     rollout = dataclasses.replace(cfg.rollout, per_round=args.rollouts, max_new_tokens=args.max_new_tokens)
     if models.student.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = train_round(
-        models,
-        theta,
-        prompts,
-        rollout=rollout,
-        cache=cfg.cache,
-        train=cfg.train,
-        server_round=1,
-        seed=cfg.seed,
-        step_offset=0,
-        total_steps=cfg.total_local_steps,
+    plan = RoundPlan(
+        server_round=1, seed=cfg.seed, rollout=rollout, cache=cfg.cache, train=cfg.train, step_offset=0, total_steps=cfg.total_local_steps
     )
+    out = train_round(models, theta, prompts, plan)
     t1 = time.perf_counter()
     score_round(models, theta, increment(out.arrays, theta), out.cache, cfg.strategy.candidates)
     score_s = time.perf_counter() - t1

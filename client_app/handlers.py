@@ -31,7 +31,7 @@ from client_app.client_state import client_state_dir, latest_saved_round, load_r
 from fedopd.config import RunConfig
 from fedopd.core.procinfo import rss_mb
 from fedopd.distill.cache import ScoringCache
-from fedopd.engine.round import CACHE_SOURCES, derive_seed, evaluate_heldout, score_round, train_round
+from fedopd.engine.round import CACHE_SOURCES, RoundPlan, derive_seed, evaluate_heldout, score_round, train_round
 from fedopd.models.lora import check_compatible, from_record
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
@@ -86,7 +86,14 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     request = TrainRequest.from_config(config)
     server_round = request.server_round
     models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled)
-    per_round, steps_per_round, total_steps = cfg.learner_budget((request.pooled_clients or num) if request.pooled else 1)
+    plan = RoundPlan.from_config(
+        cfg,
+        server_round,
+        learner_seed(cfg.seed, pid, num, pooled=request.pooled),
+        partitions=(request.pooled_clients or num) if request.pooled else 1,
+        build_cache=request.build_scoring_cache,
+        cache_source=request.scoring_cache,
+    )
     theta = from_record(content["arrays"])
     # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
     # may number differently: its state is the learner's, not a partition's.
@@ -98,23 +105,7 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         theta = restore_saved_state(state, folder, config, server_round, pid, persistent=persistent, local=local, theta=theta)
     optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent and OPTIMIZER in state else None
 
-    out = train_round(
-        models,
-        theta,
-        prompts,
-        rollout=dataclasses.replace(cfg.rollout, per_round=per_round),
-        cache=cfg.cache,
-        train=cfg.train,
-        server_round=server_round,
-        seed=learner_seed(cfg.seed, pid, num, pooled=request.pooled),
-        step_offset=(server_round - 1) * steps_per_round,
-        total_steps=total_steps,
-        optimizer_state=optimizer_state,
-        teacher_batch=cfg.model.teacher_batch,
-        build_cache=request.build_scoring_cache,
-        cache_source=request.scoring_cache,
-        progress=lambda text: log(INFO, "client %d %s", pid, text),
-    )
+    out = train_round(models, theta, prompts, plan, optimizer_state=optimizer_state, progress=lambda text: log(INFO, "client %d %s", pid, text))
 
     state[THETA] = ArrayRecord({k: Array(a) for k, a in theta.items()})
     if out.cache is not None:

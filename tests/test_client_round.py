@@ -9,7 +9,7 @@ from precision import coarse_kl_pair_error, logit_error, lse_error
 
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.engine.round import ClientModels, score_round, train_round
+from fedopd.engine.round import ClientModels, RoundPlan, score_round, train_round
 from fedopd.models.lora import increment
 from fedopd.rollout import HFRolloutEngine
 
@@ -23,18 +23,16 @@ def round_result(tiny_pair):
     cfg = parse_run_config(TINY)
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
     theta = student.get_lora_arrays()
-    out = train_round(
-        models,
-        theta,
-        prompts,
+    plan = RoundPlan(
+        server_round=1,
+        seed=42,
         rollout=dataclasses.replace(cfg.rollout, per_round=16, max_new_tokens=24),
         cache=cfg.cache,
         train=dataclasses.replace(cfg.train, lr=2e-3, exact_kl=True),
-        server_round=1,
-        seed=42,
         step_offset=0,
         total_steps=6,
     )
+    out = train_round(models, theta, prompts, plan)
     return models, theta, out
 
 

@@ -169,23 +169,24 @@ def test_a_heldout_cache_holds_rollouts_of_prompts_the_round_does_not_train_on(t
     from conftest import TINY
 
     from fedopd.data import encode_prompts, round_indices, tiny_arith_partition
-    from fedopd.engine.round import ClientModels, train_round
+    from fedopd.engine.round import ClientModels, RoundPlan, train_round
     from fedopd.rollout import HFRolloutEngine
 
     student, teacher = tiny_pair
     models = ClientModels(student, teacher, HFRolloutEngine(student))
     cfg = parse_run_config(TINY)
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 64, 42), 2048)
-    kwargs = dict(
+    plan = RoundPlan(
+        server_round=1,
+        seed=42,
         rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
         cache=cfg.cache,
         train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=2),
-        server_round=1,
-        seed=42,
         step_offset=0,
         total_steps=2,
+        cache_source="untrained",
     )
-    out = train_round(models, student.get_lora_arrays(), prompts, cache_source="untrained", **kwargs)
+    out = train_round(models, student.get_lora_arrays(), prompts, plan)
     trained = {tuple(prompts[i].token_ids) for i in round_indices(len(prompts), 1, 8, 42)}
     rows = [tuple(r[m.astype(bool)].tolist()) for r, m in zip(out.cache.input_ids, out.cache.attention_mask)]
     starts = [next((tuple(p.token_ids) for p in prompts if row[: len(p.token_ids)] == tuple(p.token_ids)), None) for row in rows]
@@ -213,7 +214,7 @@ def test_a_client_with_too_few_prompts_for_a_heldout_cache_fails_before_its_roll
     from conftest import TINY_RUN
 
     from fedopd.data.prompts import Prompt
-    from fedopd.engine.round import ClientModels, train_round
+    from fedopd.engine.round import ClientModels, RoundPlan, train_round
 
     class NoRollouts:
         def set_adapter(self, arrays):
@@ -229,12 +230,7 @@ def test_a_client_with_too_few_prompts_for_a_heldout_cache_fails_before_its_roll
             ClientModels(None, None, NoRollouts()),
             {},
             prompts,
-            rollout=cfg.rollout,
-            cache=cfg.cache,
-            train=cfg.train,
-            server_round=1,
-            seed=42,
-            step_offset=0,
-            total_steps=2,
-            cache_source="untrained",
+            RoundPlan(
+                server_round=1, seed=42, rollout=cfg.rollout, cache=cfg.cache, train=cfg.train, step_offset=0, total_steps=2, cache_source="untrained"
+            ),
         )

@@ -64,7 +64,7 @@ def test_client_round_on_cuda_with_the_hf_engine():
 
     from fedopd.config import parse_run_config
     from fedopd.data import encode_prompts, tiny_arith_partition
-    from fedopd.engine.round import ClientModels, load_client_models, score_round, train_round
+    from fedopd.engine.round import ClientModels, RoundPlan, load_client_models, score_round, train_round
     from fedopd.models.lora import increment
 
     cfg = parse_run_config(TINY)
@@ -73,19 +73,17 @@ def test_client_round_on_cuda_with_the_hf_engine():
     models = ClientModels(models.student, models.teacher, HFRolloutEngine(models.student))
     prompts = encode_prompts(models.student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
     theta = models.student.get_lora_arrays()
-    out = train_round(
-        models,
-        theta,
-        prompts,
+    plan = RoundPlan(
+        server_round=1,
+        seed=1,
         rollout=dataclasses.replace(cfg.rollout, per_round=8, max_new_tokens=16),
         cache=cfg.cache,
         train=dataclasses.replace(cfg.train, exact_kl=True),
-        server_round=1,
-        seed=1,
         step_offset=0,
         total_steps=2,
         teacher_batch=2,
     )
+    out = train_round(models, theta, prompts, plan)
     assert out.metrics["kl_after"] < out.metrics["kl_before"]
     j, k = score_round(models, theta, increment(out.arrays, theta), out.cache, [0.0, 1.0])
     # Empirical, not derived: an a priori bound for bf16 layers (u = 2^-8 at every stage output,

@@ -199,9 +199,9 @@ def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=Non
 
     given = {}
 
-    def fake_train_round(models, theta, prompts, **kwargs):
+    def fake_train_round(models, theta, prompts, plan, **kwargs):
         given.update(theta=theta, optimizer_state=kwargs["optimizer_state"])
-        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={"step": np.array([kwargs["server_round"]], np.int64)})
+        return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={"step": np.array([plan.server_round], np.int64)})
 
     monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)

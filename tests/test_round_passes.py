@@ -39,7 +39,7 @@ from fedopd.distill.opd import (
     teacher_pass,
     use_packing,
 )
-from fedopd.engine.round import ClientModels, train_round
+from fedopd.engine.round import ClientModels, RoundPlan, train_round
 from fedopd.rollout import HFRolloutEngine, Rollouts
 
 pytestmark = pytest.mark.slow
@@ -91,19 +91,17 @@ def _round(student, teacher, train_overrides, monkeypatch, build_cache=True):
         return out
 
     monkeypatch.setattr(models.rollout, "generate", generate_then_count)
-    out = train_round(
-        models,
-        theta,
-        prompts,
+    plan = RoundPlan(
+        server_round=1,
+        seed=42,
         rollout=rollout,
         cache=CacheSettings(rollouts=4, positions=4, top_k=4),
         train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=2, **train_overrides),
-        server_round=1,
-        seed=42,
         step_offset=0,
         total_steps=4,
         build_cache=build_cache,
     )
+    out = train_round(models, theta, prompts, plan)
     return out, counts["student"], counts["teacher"]
 
 
@@ -285,19 +283,16 @@ def _progress_lines(tiny_pair) -> tuple[list[str], ClientModels]:
     models = ClientModels(student, teacher, HFRolloutEngine(student))
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 16, 42), 2048)
     lines = []
-    train_round(
-        models,
-        student.get_lora_arrays(),
-        prompts,
+    plan = RoundPlan(
+        server_round=3,
+        seed=1,
         rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
         cache=CacheSettings(rollouts=2, positions=4, top_k=4),
         train=dataclasses.replace(cfg.train, mini_batch=4, micro_batch=4),
-        server_round=3,
-        seed=1,
         step_offset=0,
         total_steps=4,
-        progress=lines.append,
     )
+    train_round(models, student.get_lora_arrays(), prompts, plan, progress=lines.append)
     return lines, models
 
 

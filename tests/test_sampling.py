@@ -138,8 +138,8 @@ def test_the_centralized_learner_takes_pooled_clients_times_the_rollouts_per_rou
 
     seen = {}
 
-    def fake_train_round(models, theta, prompts, **kwargs):
-        seen.update(per_round=kwargs["rollout"].per_round, total_steps=kwargs["total_steps"], step_offset=kwargs["step_offset"])
+    def fake_train_round(models, theta, prompts, plan, **kwargs):
+        seen.update(per_round=plan.rollout.per_round, total_steps=plan.total_steps, step_offset=plan.step_offset)
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={})
 
     monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
@@ -158,6 +158,25 @@ def test_the_centralized_learner_takes_pooled_clients_times_the_rollouts_per_rou
     content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
     handlers.train(content, RecordDict(), 0, 12, cfg)
     assert seen == {"per_round": 16, "total_steps": 16, "step_offset": 4}
+
+
+def test_a_round_plan_from_the_run_config_places_the_learner_in_its_schedule():
+    """A client's round 3 of 4 with 8 rollouts and mini-batch 4: 2 steps a round, 4 before it and 8
+    over the run; a learner on 2 pooled partitions doubles the rollouts and the steps."""
+    import dataclasses
+
+    from fedopd.config import parse_run_config
+    from fedopd.engine.round import RoundPlan
+
+    cfg = parse_run_config({"rollout.per-round": 8, "train.mini-batch": 4, "train.micro-batch": 4, "num-server-rounds": 4, "model.teacher-batch": 2})
+    plan = RoundPlan.from_config(cfg, 3, seed=7)
+    assert (plan.server_round, plan.seed, plan.rollout, plan.step_offset, plan.total_steps) == (3, 7, cfg.rollout, 4, 8)
+    assert (plan.cache, plan.train, plan.teacher_batch, plan.build_cache, plan.cache_source) == (cfg.cache, cfg.train, 2, True, "round")
+    pooled = RoundPlan.from_config(cfg, 3, seed=7, partitions=2, build_cache=False)
+    assert (pooled.rollout.per_round, pooled.step_offset, pooled.total_steps, pooled.build_cache) == (16, 8, 16, False)
+    assert pooled.rollout == dataclasses.replace(cfg.rollout, per_round=16)
+    with pytest.raises(ValueError, match="cache_source = 'future'; allowed: 'round', 'untrained'"):
+        dataclasses.replace(plan, cache_source="future")
 
 
 def test_evaluation_samples_a_fraction_of_the_nodes_and_all_of_them_by_default():

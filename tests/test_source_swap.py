@@ -10,7 +10,7 @@ from precision import U32, coarse_kl_pair_error, logit_error, lse_error
 
 from fedopd.config import parse_run_config
 from fedopd.data import encode_prompts, tiny_arith_partition
-from fedopd.engine.round import ClientModels, train_round
+from fedopd.engine.round import ClientModels, RoundPlan, train_round
 from fedopd.rollout import HFRolloutEngine
 
 pytestmark = pytest.mark.slow
@@ -32,20 +32,17 @@ def test_rollouts_come_from_the_source_and_training_starts_from_theta(tiny_pair)
     theta = student.get_lora_arrays()
     source = {k: v + 0.5 for k, v in theta.items()}
     prompts = encode_prompts(student.tokenizer, tiny_arith_partition(0, 3, 8, 1), 2048)
-    out = train_round(
-        models,
-        theta,
-        prompts,
+    plan = RoundPlan(
+        server_round=1,
+        seed=0,
         rollout=dataclasses.replace(cfg.rollout, per_round=4, max_new_tokens=6),
         cache=cfg.cache,
         train=dataclasses.replace(cfg.train, lr=1e-9, mini_batch=4, micro_batch=4),
-        server_round=1,
-        seed=0,
         step_offset=0,
         total_steps=1,
         build_cache=False,
-        source=source,
     )
+    out = train_round(models, theta, prompts, plan, source=source)
     assert all(np.array_equal(engine.used[k], source[k]) for k in theta)  # fp32 factors are copied bit-exactly
     # One AdamW step at lr = 1e-9 from θ, not from the source (0.5 away): the first Adam step is
     # lr·m̂/(√v̂ + eps) with |m̂/√v̂| ≤ 1 (≤ 1 + 8u as computed in fp32), the decoupled decay

@@ -158,8 +158,8 @@ def _client_train(monkeypatch, message_config, **overrides):
         given["pooled"] = pooled
         return None, ["prompt"] * (3 * 16 if pooled else 16)
 
-    def fake_train_round(models, theta, prompts, **kwargs):
-        given.update(kwargs)
+    def fake_train_round(models, theta, prompts, plan, **kwargs):
+        given.update(vars(plan), **kwargs)
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={})
 
     folders = []

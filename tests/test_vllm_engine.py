@@ -73,7 +73,7 @@ def adapters(model_copies, student):
     """Three trained adapters (one client round of local OPD each, on clients 0, 1 and 2) and θ0."""
     from fedopd.config import CacheSettings, RolloutSettings, TrainSettings
     from fedopd.data import encode_prompts
-    from fedopd.engine.round import ClientModels, train_round
+    from fedopd.engine.round import ClientModels, RoundPlan, train_round
     from fedopd.models import load_causal_lm
     from fedopd.rollout import HFRolloutEngine
     from fedopd.sandbox.task import client_partition
@@ -84,19 +84,17 @@ def adapters(model_copies, student):
     trained = []
     for pid in range(3):
         prompts = encode_prompts(student.tokenizer, client_partition(pid, 3, 32, 42), 384)
-        out = train_round(
-            models,
-            theta0,
-            prompts,
+        plan = RoundPlan(
+            server_round=1,
+            seed=pid,
             rollout=RolloutSettings(per_round=16, max_new_tokens=96),
             cache=CacheSettings(),
             train=TrainSettings(lr=3e-2, mini_batch=4, micro_batch=4),
-            server_round=1,
-            seed=pid,
             step_offset=0,
             total_steps=4,
             build_cache=False,
         )
+        out = train_round(models, theta0, prompts, plan)
         trained.append(out.arrays)
     student.set_lora_arrays(theta0)
     return theta0, trained
