@@ -87,7 +87,9 @@ def sandbox_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
     prompts = encode_prompts(student.tokenizer, partition_rows(cfg.data, 0, 3)[:n], cfg.data.max_prompt_tokens)
     engine = HFRolloutEngine(student)
     engine.set_adapter(student.get_lora_arrays())
-    out = engine.generate([p.token_ids for p in prompts], SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, seed))
+    out = engine.generate(
+        [p.token_ids for p in prompts], SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, seed)
+    )
     return [(len(p), len(r)) for p, r in zip(out.prompt_ids, out.response_ids)]
 
 
@@ -213,7 +215,13 @@ def measure_train(args) -> dict:
     out = local_opd(student, teacher, rollouts, settings, step_offset=0, total_steps=len(lengths) // 8)
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - base
     m = out.metrics
-    return {"tokens": m["tokens"], "train_s": m["train_s"], "teacher_s": m["teacher_s"], "tokens_per_s": m["tokens"] / m["train_s"], "peak_gib": peak / GiB}
+    return {
+        "tokens": m["tokens"],
+        "train_s": m["train_s"],
+        "teacher_s": m["teacher_s"],
+        "tokens_per_s": m["tokens"] / m["train_s"],
+        "peak_gib": peak / GiB,
+    }
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -266,15 +274,32 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.part in ("padding", "all"):
         print("\n== padding share of a padded epoch (mini-batch 8, micro-batch 4) ==")
-        for name, lengths in (("sandbox (64 rollouts of the default preset)", sandbox_lengths(64)), ("paper-like long tail (4,800 rollouts)", paper_lengths(4800))):
+        for name, lengths in (
+            ("sandbox (64 rollouts of the default preset)", sandbox_lengths(64)),
+            ("paper-like long tail (4,800 rollouts)", paper_lengths(4800)),
+        ):
             order, grouped = padding_figures(lengths)
             mean_r = statistics.mean(r for _, r in lengths)
             print(f"{name}: mean response {mean_r:.0f} tokens; padding {order:.1%} in rollout order, {grouped:.1%} grouped by length")
 
     if args.part in ("loss", "all"):
-        print(f"\n== the loss: {args.positions} positions, student {args.student_width} / teacher {args.teacher_width} wide, vocabulary {args.vocab}, bf16 ==")
-        shape = ["--positions", str(args.positions), "--student-width", str(args.student_width), "--teacher-width", str(args.teacher_width), "--vocab", str(args.vocab)]
-        cases = [(name, path, "app") for name, path in checkouts] + [("after, head copied once and kept", REPO, "copy-kept"), ("after, head copied per call", REPO, "copy-per-call")]
+        print(
+            f"\n== the loss: {args.positions} positions, student {args.student_width} / teacher {args.teacher_width} wide, vocabulary {args.vocab}, bf16 =="
+        )
+        shape = [
+            "--positions",
+            str(args.positions),
+            "--student-width",
+            str(args.student_width),
+            "--teacher-width",
+            str(args.teacher_width),
+            "--vocab",
+            str(args.vocab),
+        ]
+        cases = [(name, path, "app") for name, path in checkouts] + [
+            ("after, head copied once and kept", REPO, "copy-kept"),
+            ("after, head copied per call", REPO, "copy-per-call"),
+        ]
         results: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
         for _ in range(args.repeats):
             for name, path, head in cases:

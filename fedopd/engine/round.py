@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fedopd.core.settings import CacheSettings, LoraSettings, RolloutSettings, RunConfig, TrainSettings
 from fedopd.data import Prompt, round_indices
