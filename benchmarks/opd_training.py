@@ -55,7 +55,25 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Reset the resident set's high-water mark (Linux >= 4.0: ``5`` to ``/proc/self/clear_refs``),
+    so that the peak read afterwards is this measurement's, not the imports'."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _peak_rss() -> int:
+    """The resident set's high-water mark since the last reset (VmHWM), else the process's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -156,6 +174,7 @@ def measure_loss(args) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss()
+        _reset_peak_rss()
     t0 = time.perf_counter()
     run()
     if cuda:
@@ -212,6 +231,8 @@ def measure_train(args) -> dict:
     base = torch.cuda.memory_allocated() if cuda else _rss()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    else:
+        _reset_peak_rss()
     out = local_opd(student, teacher, rollouts, settings, step_offset=0, total_steps=len(lengths) // 8)
     peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - base
     m = out.metrics

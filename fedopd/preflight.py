@@ -13,8 +13,10 @@ safetensors headers. It checks, in order:
    longest prompt plus the longest response fits both models' positions (:mod:`fedopd.models.positions`);
 7. whether vLLM, flash-attention and CUDA are present, which engine ``rollout.backend = auto``
    picks, and whether packed micro-batches stay isolated under this host's attention;
-8. an estimate of GPU memory (teacher, HF student, vLLM's share, loss chunk, activations) against
-   the card's free memory (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
+8. an estimate of GPU memory against the card's free memory: what stays for the whole round
+   (teacher, HF student with LoRA and AdamW, vLLM's share and its engine process, the teacher's
+   kept hidden states, CUDA context) plus the largest of the round's phases (the teacher pass, the
+   scoring pass, local OPD's loss chunk and activations) (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
 
 It prints one table and exits 1 on any problem; each failing row names the fix.
 """
@@ -34,6 +36,7 @@ from typing import Any
 from fedopd.config import ConfigError, RunConfig, check_server_requirements, parse_run_config
 from fedopd.config.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
 from fedopd.core.errors import ModelLoadError
+from fedopd.models.head import HEAD_BLOCK_BYTES
 
 GIB = 1024**3
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -41,8 +44,9 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 # fp32 (positions x vocabulary) arrays alive at the peak of one chunk of the reverse-KL loss: the
 # student's and teacher's logits, their log-softmaxes, the student's probabilities and the
-# gradient. Measured: 4.14 GiB at H = 1024, V = 151,936, 1,024 positions (docs: loss benchmark)
-# = 7.0 such arrays.
+# gradient. Measured (benchmarks/opd_training.py, bf16 on CPU, student 1,024 / teacher 4,096 wide,
+# V = 151,936, 1,024 positions): 4.18 GiB with chunks of 1,024 and 1.17 GiB with chunks of 256,
+# each 7.0-7.2 such arrays beside the head's two 64 MiB upcast blocks.
 LOSS_CHUNK_ARRAYS = 7
 # Activation bytes per token, per layer and per unit of hidden size kept for the backward pass of a
 # 16-bit transformer layer with a fused attention kernel: 34 (Korthikanti et al., "Reducing
@@ -146,7 +150,9 @@ def estimated_parameters(config) -> int:
 def memory_estimate(
     cfg: RunConfig, student_config, teacher_config, student_params: int, teacher_params: int, total_gib: float, backend: str
 ) -> dict[str, float]:
-    """GiB per item on one client's GPU: the terms of the docstring's item 8."""
+    """GiB per item on one client's GPU: the terms of the docstring's item 8, resident ones first
+    (:data:`RESIDENT`), then what each phase of a round adds while it runs (:data:`PHASES`):
+    :func:`memory_need` adds the resident terms and the largest phase."""
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     # LoRA factors r x (in + out) per target module and layer, bounded by the widest projection;
     # fp32 weights, gradients and AdamW's two moments.
@@ -156,23 +162,51 @@ def memory_estimate(
         * len(cfg.lora.target_modules)
         * student_config.num_hidden_layers
     )
-    tokens = cfg.train.micro_batch * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    sequence = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = cfg.train.micro_batch * sequence
     h, layers = student_config.hidden_size, student_config.num_hidden_layers
     if cfg.train.gradient_checkpointing:
         activations = tokens * h * (layers * CHECKPOINTED_BYTES + ACTIVATION_BYTES)
     else:
         activations = tokens * h * layers * ACTIVATION_BYTES
-    teacher_tokens = cfg.model.teacher_batch * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    teacher_tokens = cfg.model.teacher_batch * sequence
     vocab = min(student_config.vocab_size, teacher_config.vocab_size)
+    # The scoring pass (FedTOPS): every candidate's copy of the cached rollouts in one no-grad
+    # forward, one layer's projections alive at a time (q, k, v, o and the MLP's gate, up and
+    # product), and the fp32 logits at the cached positions with their coarse copy.
+    scoring = 0.0
+    if cfg.strategy.name == "fedtops":
+        candidates = len(cfg.strategy.candidates)
+        rows = cfg.cache.rollouts * candidates
+        layer = (4 * h + 3 * student_config.intermediate_size) * dtype_bytes
+        scoring = rows * sequence * layer + 2 * cfg.cache.rollouts * cfg.cache.positions * candidates * vocab * 4
     return {
         "teacher weights": teacher_params * dtype_bytes / GIB,
         "student weights + LoRA + AdamW": (student_params * dtype_bytes + lora * 4 * 4) / GIB,
         "vLLM share": cfg.rollout.gpu_memory_utilization * total_gib if backend == "vllm" else 0.0,
-        "loss chunk": LOSS_CHUNK_ARRAYS * min(cfg.train.loss_chunk, tokens) * vocab * 4 / GIB,
-        "student activations": activations / GIB,
-        "teacher pass": teacher_tokens * teacher_config.hidden_size * ACTIVATION_BYTES / GIB,
+        # vLLM's engine process: its CUDA context is not in its share (vLLM measures the share's
+        # use from a baseline taken after the context exists).
+        "vLLM engine process": CUDA_CONTEXT_GIB if backend == "vllm" else 0.0,
+        # The teacher's hidden states at every response position of the round, kept from the
+        # teacher pass to the end of local OPD (every response at the cap).
+        "kept teacher hidden states": cfg.rollout.per_round * cfg.rollout.max_new_tokens * teacher_config.hidden_size * dtype_bytes / GIB,
         "CUDA context": CUDA_CONTEXT_GIB,
+        # phases
+        "teacher pass": teacher_tokens * teacher_config.hidden_size * ACTIVATION_BYTES / GIB,
+        "scoring pass": scoring / GIB,
+        "loss chunk": (LOSS_CHUNK_ARRAYS * min(cfg.train.loss_chunk, tokens) * vocab * 4 + 2 * HEAD_BLOCK_BYTES) / GIB,
+        "student activations": activations / GIB,
     }
+
+
+RESIDENT = ("teacher weights", "student weights + LoRA + AdamW", "vLLM share", "vLLM engine process", "kept teacher hidden states", "CUDA context")
+PHASES = {"teacher pass": ("teacher pass",), "scoring pass": ("scoring pass",), "local OPD": ("loss chunk", "student activations")}
+
+
+def memory_need(parts: dict[str, float]) -> tuple[float, str]:
+    """(GiB, the phase at the peak): the resident terms plus the largest phase's."""
+    phase = max(PHASES, key=lambda name: sum(parts[k] for k in PHASES[name]))
+    return sum(parts[k] for k in RESIDENT) + sum(parts[k] for k in PHASES[phase]), phase
 
 
 def gpu_memory(simulated_free_gib: float | None) -> tuple[float, float] | None:
@@ -360,8 +394,8 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
             counted = weight_parameters(paths[role]) if Path(paths[role]).is_dir() else None
             params[role] = counted if counted is not None else estimated_parameters(files[role].config)
         parts = memory_estimate(cfg, student.config, teacher.config, params["student"], params["teacher"], total, chosen)
-        need = sum(parts.values())
-        detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v) + f" = {need:.1f} GiB of {free:.1f} GiB free"
+        need, phase = memory_need(parts)
+        detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v) + f"; peak in {phase} = {need:.1f} GiB of {free:.1f} GiB free"
         if need > free:
             raise ValueError(
                 f"{detail}: too little GPU memory; lower rollout.gpu-memory-utilization, train.micro-batch or "

@@ -92,7 +92,7 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False  # recompute the student's layer activations in backward
-    loss_chunk: int = 1024  # positions per chunk of the reverse-KL loss
+    loss_chunk: int = 256  # positions per chunk of the OPD loss: its peak is ~7 fp32 (chunk × vocabulary) arrays (docs/performance.md)
     packing: str = "auto"  # micro-batches packed (padding-free) or padded; auto: packed with flash-attention 2
     exact_kl: bool = False  # also report kl_before / kl_after over all rollouts (two extra student passes)
     loss: str = "reverse_kl"  # the per-token divergence (fedopd.distill.loss.DIVERGENCES); the paper's reverse KL
