@@ -16,8 +16,9 @@ checkouts alternating ``--repeats`` times:
   block of rows at a time (the code after).
 - **train**: training tokens per second of ``local_opd`` (one epoch, mini-/micro-batch 8/4) on
   random-weight models of Qwen3-0.6B's width (student) and Qwen3-8B's (teacher) with ``--layers``
-  layers each, bf16 on CPU (the paper's dtype; a CPU runs it slowly), on rollouts whose lengths
-  follow ``--lengths``.
+  layers each, in ``--train-dtype`` (bf16, the paper's, by default; a CPU without bf16 units runs
+  it very slowly, so a CPU run uses float32), on rollouts of paper-like lengths times
+  ``--length-scale``.
 - **padding**: the padding share of a padded epoch, rollout order against micro-batches grouped
   by length, for the sandbox's own rollout lengths and for a long-tailed distribution of the
   paper's mean (responses of mean 1,343 tokens capped at 4,096: 6,445,612 response tokens over
@@ -197,7 +198,7 @@ def measure_train(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.train_dtype)
     tokenizer = word_level_tokenizer()
     models = []
     for arch in ("0.6b", "8b"):
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--length-scale", type=float, default=0.125, help="the paper's lengths times this in part train (CPU: 1/8)")
+    parser.add_argument(
+        "--train-dtype", default="bfloat16", help="the models' dtype in part train (float32 runs far faster on CPUs without bf16 units)"
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--measure", choices=("loss", "train"), help=argparse.SUPPRESS)
@@ -339,9 +343,19 @@ def main(argv: list[str] | None = None) -> int:
         lengths = paper_lengths(args.rollouts, scale=args.length_scale, seed=3)
         print(
             f"\n== local OPD: {args.rollouts} rollouts (paper-like lengths x {args.length_scale:g}: "
-            f"{sum(p + r for p, r in lengths)} tokens), {args.layers} layers of Qwen3-0.6B / Qwen3-8B width, bf16 =="
+            f"{sum(p + r for p, r in lengths)} tokens), {args.layers} layers of Qwen3-0.6B / Qwen3-8B width, {args.train_dtype} =="
         )
-        argv_train = ["--measure", "train", "--layers", str(args.layers), "--lengths-json", json.dumps(lengths), *common]
+        argv_train = [
+            "--measure",
+            "train",
+            "--layers",
+            str(args.layers),
+            "--train-dtype",
+            args.train_dtype,
+            "--lengths-json",
+            json.dumps(lengths),
+            *common,
+        ]
         results = {name: [] for name, _ in checkouts}
         for _ in range(args.repeats):
             for name, path in checkouts:

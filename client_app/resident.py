@@ -331,9 +331,11 @@ def stop_workers(worker_name: str | None = None, keep: str | None = None, grace_
     """Stop the workers (of ``worker_name``, or all), except ``keep``; their names.
 
     Each is first asked to close its models (:meth:`ResidentWorker.shutdown`: vLLM's engine process
-    stops and frees its memory), then killed with ``ray.kill``, which runs no cleanup of its own;
-    any process of its tree still alive after that (on this node) is terminated, then killed: an
-    engine process can outlive its parent (vLLM's ``EngineCore`` does) and would keep its GPU memory.
+    stops and frees its memory), then killed with ``ray.kill``, which runs none of the worker's own
+    cleanup (Ray kills its direct children, unless ``RAY_kill_child_processes_on_worker_exit=0``);
+    any process of its tree still alive after that (on this node; the tree as it was before and
+    after the graceful stop) is terminated, then killed: an engine process can outlive its parent
+    (vLLM's ``EngineCore`` can) and would keep its GPU memory.
     """
     import ray
 
@@ -341,11 +343,13 @@ def stop_workers(worker_name: str | None = None, keep: str | None = None, grace_
     for name in list_workers():
         if (worker_name is None or worker_group(name) == worker_name) and name != keep:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            tree = _call(actor.processes, 10.0)
+            before = _call(actor.processes, 10.0)
             _call(actor.shutdown, grace_s)
+            after = _call(actor.processes, 10.0)  # an engine started while the worker was still loading
             ray.kill(actor, no_restart=True)
-            if tree and tree["node"] == ray.get_runtime_context().get_node_id():
-                _end_processes(tree["pids"])
+            here = ray.get_runtime_context().get_node_id()
+            trees = [t for t in (before, after) if t and t["node"] == here]
+            _end_processes([pid for t in trees for pid in t["pids"]])
             stopped.append(name)
     return stopped
 
@@ -363,14 +367,18 @@ def _call(method, timeout: float):
 
 def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
     """SIGTERM each (pid, start time) still running, SIGKILL what is left after ``wait_s``; a pid
-    reused by another process (another start time) is left alone."""
+    reused by another process (a start time more than a second apart: psutil derives it from the
+    boot time, which moves when the clock is stepped) is left alone."""
     import psutil
 
-    alive = []
+    alive, seen = [], set()
     for pid, started in pids:
+        if int(pid) in seen or int(pid) == os.getpid():
+            continue
+        seen.add(int(pid))
         try:
             proc = psutil.Process(int(pid))
-            if abs(proc.create_time() - started) < 1e-3:
+            if abs(proc.create_time() - started) < 1.0:
                 alive.append(proc)
         except psutil.Error:
             pass

@@ -98,4 +98,8 @@ def test_the_resident_worker_closes_its_engine_when_it_is_replaced_and_when_it_s
     assert seen[0] != seen[1] and not _gone(seen[0], since)
     assert len(list_workers()) == 1
     stop_workers("life")
-    assert not _gone(seen[1], since), "the stopped worker's engine is still running"
+    # At once, not eventually: vLLM's engine process notices a killed parent only some seconds
+    # later (and may not at all, vLLM's issue about EngineCore surviving its parent); the graceful
+    # stop has shut it down before stop_workers returns.
+    assert not seen[1] & engines(since), "the stopped worker's engine is still running"
+    assert list_workers() == []

@@ -204,14 +204,18 @@ def test_the_fused_gradient_follows_any_incoming_gradient():
     torch.testing.assert_close(fused, hs.grad, rtol=0, atol=PAIR * gradient_error(hs.grad, 3 * 31 + 6 + 8 + 1))
 
 
-def test_a_trainable_student_head_is_not_fused(tiny_pair):
-    """LoRA on the head (or a head tied to trainable weights): its gradient flows through the
-    checkpointed path, which the fused one would drop."""
-    student, _ = tiny_pair
+def test_a_student_whose_head_takes_gradients_is_refused_by_the_loss(tiny_pair):
+    """The fp32 head treats the head as frozen (no weight gradient on either path): a head that
+    LoRA or tied trainable embeddings would train is refused, naming the key, not trained nothing."""
+    from fedopd.distill.opd import minibatch_gradient
+
+    student, teacher = tiny_pair
     head = student.causal_lm.get_output_embeddings()
     assert not student.head_trainable()
     head.weight.requires_grad_(True)
     try:
         assert student.head_trainable()
+        with pytest.raises(ValueError, match="the student's LM head takes gradients .*lora.target-modules"):
+            minibatch_gradient(student, teacher, [], [], 256)
     finally:
         head.weight.requires_grad_(False)

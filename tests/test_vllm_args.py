@@ -354,6 +354,12 @@ NOT_FREE = (
     "printed, expected",
     [
         (KV_TOO_SMALL, "rollout.gpu-memory-utilization = 0.3 of the host's memory leaves too little for the KV cache: raise it"),
+        (
+            # vLLM's CPU build at a share of 0.0003 (seen): its worker's error, wrapped
+            "RuntimeError: Worker failed with error 'Available memory on node 0 (7.31/19.71 GiB) on kv cache allocation is less than "
+            "requested memory for kv (-0.82/0.01 GiB)'",
+            "rollout.gpu-memory-utilization = 0.3 of the host's memory leaves too little for the KV cache: raise it",
+        ),
         (NOT_FREE, "rollout.gpu-memory-utilization = 0.3 of the host's memory is more than is free: lower it"),
         (
             "(EngineCore pid=4242) RuntimeError: An attempt has been made to start a new process before the current process has "
@@ -400,16 +406,24 @@ def test_an_engine_process_that_fails_to_start_says_vllms_own_cause_and_the_dire
 
 
 def test_a_share_of_memory_that_is_not_free_is_refused_before_vllm_starts(monkeypatch, tmp_path):
-    """4 GiB free of 80: 0.9 asks for 72; at most 0.05 fits (floor of 4/80 to two decimals)."""
+    """4 GiB free of 80, 0.75 of them for vLLM's engine process's own CUDA context: 3.25 GiB for
+    its share. 0.04 asks for 3.2 (fits), 0.05 for 4.0 and 0.9 for 72 (refused); at most 0.04 fits
+    (floor of 3.25/80 = 0.0406 to two decimals). On the CPU build no context: 0.05 of 80 fits in 4."""
     from fedopd.config import LoraSettings
     from fedopd.models import lora_config
     from fedopd.rollout.vllm_engine import VLLMRolloutEngine, memory_request_problem
 
     gib = 2**30
-    assert memory_request_problem(0.05, 4 * gib, 80 * gib, "cuda") is None  # 4.0 GiB of 4.0 free
+    assert memory_request_problem(0.04, 4 * gib, 80 * gib, "cuda") is None
+    assert memory_request_problem(0.05, 4 * gib, 80 * gib, "cpu") is None
+    assert memory_request_problem(0.05, 4 * gib, 80 * gib, "cuda") is not None
     problem = memory_request_problem(0.9, 4 * gib, 80 * gib, "cuda")
-    assert problem.startswith("rollout.gpu-memory-utilization = 0.9 asks vLLM for 72.0 GiB of the GPU (80.0 GiB), but only 4.0 GiB are free")
-    assert "lower rollout.gpu-memory-utilization (at most 0.05 fits now)" in problem and "nvidia-smi" in problem
+    assert problem.startswith(
+        "rollout.gpu-memory-utilization = 0.9 asks vLLM for 72.0 GiB of the GPU (80.0 GiB), but only 4.0 GiB are free, "
+        "0.75 GiB of them for vLLM's engine process itself"
+    )
+    assert "lower rollout.gpu-memory-utilization (at most 0.04 fits vLLM now, leaving nothing for training" in problem
+    assert "python -m fedopd.preflight" in problem and "nvidia-smi" in problem
 
     fake, started = _FakeVLLM(), []
     fake.modules["vllm"].LLM = lambda **kwargs: started.append(kwargs)
@@ -431,8 +445,8 @@ def test_a_share_of_memory_that_is_not_free_is_refused_before_vllm_starts(monkey
 
 
 def test_vllm_is_sized_to_the_apps_largest_call():
-    """max_num_seqs: a round's rollouts (per-round 64) or an evaluation's prompts × samples
-    (32 × 8 = 256), whichever is larger; no evaluation, no evaluation batch."""
+    """max_num_seqs: a learner's rollouts of a round (per-round 64) or an evaluation's prompts ×
+    samples (32 × 8 = 256), whichever is larger; no evaluation, no evaluation batch."""
     from fedopd.config import parse_run_config
     from fedopd.rollout.vllm_engine import llm_kwargs, run_max_num_seqs, workload_max_num_seqs
 
@@ -440,6 +454,10 @@ def test_vllm_is_sized_to_the_apps_largest_call():
     cfg = parse_run_config({"rollout.per-round": 64, "eval.every": 2, "eval.prompts-per-client": 32, "eval.samples": 8})
     assert run_max_num_seqs(cfg) == 256
     assert run_max_num_seqs(parse_run_config({"rollout.per-round": 64, "eval.every": 0, "eval.prompts-per-client": 32})) == 64
+    # the Centralized learner generates every client's rollouts in one call: 3 x 32 = 96
+    central = {"strategy.name": "centralized", "rollout.per-round": 32, "eval.every": 0}
+    assert run_max_num_seqs(parse_run_config({**central, "num-clients": 3})) == 96
+    assert run_max_num_seqs(parse_run_config(central)) is None  # clients unknown: vLLM's default
     base = dict(lora_rank=8, max_model_len=64, gpu_memory_utilization=0.3, dtype="bfloat16", seed=0)
     assert llm_kwargs("m", **base, max_num_seqs=96)["max_num_seqs"] == 96
     assert "max_num_seqs" not in llm_kwargs("m", **base)  # vLLM's default

@@ -69,3 +69,42 @@ def test_a_process_that_ignores_sigterm_is_killed():
     start = time.monotonic()
     _end_processes([[p.pid, p.create_time()]], wait_s=1.0)
     assert proc.wait(timeout=10) == -9 and time.monotonic() - start < 10
+
+
+def test_a_tree_that_lists_the_caller_leaves_the_caller_alone():
+    """The trees before and after the graceful stop overlap, and a tree snapshot could name the
+    process that stops the workers: it ends the others and goes on."""
+    import os
+
+    proc = _sleeper()
+    _end_processes([[proc.pid, proc.create_time()], [proc.pid, proc.create_time()], [os.getpid(), psutil.Process().create_time()]], wait_s=5.0)
+    assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+
+
+def test_tf32_inside_the_fp32_head_keeps_both_torch_apis_readable_and_is_restored():
+    import torch
+
+    from fedopd.models.head import _tf32_matmuls
+
+    saved = torch.get_float32_matmul_precision()
+    with _tf32_matmuls(True):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.get_float32_matmul_precision() == saved
+    assert torch.backends.cuda.matmul.allow_tf32 == (saved != "highest")
+
+
+def test_the_engine_start_copy_sees_what_a_child_process_prints_and_passes_it_on(capfd):
+    """vLLM's engine process inherits file descriptors 1 and 2: what it prints while the engine
+    starts is copied (to find vLLM's cause) and still reaches this process's own output."""
+    from fedopd.rollout.vllm_engine import _Tee, start_failure_cause
+
+    tee = _Tee()
+    with tee:
+        subprocess.run(
+            [sys.executable, "-c", "import sys; print('(EngineCore pid=7) INFO up'); sys.stderr.write('(EngineCore pid=7) ValueError: no room\\n')"],
+            check=True,
+        )
+    text = tee.text()
+    assert "INFO up" in text and start_failure_cause(text) == "ValueError: no room"
+    out, err = capfd.readouterr()
+    assert "INFO up" in out and "ValueError: no room" in err

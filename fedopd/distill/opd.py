@@ -306,9 +306,14 @@ def minibatch_gradient(
     divergence (``train.loss``, default the reverse KL) is divided by the mini-batch's token
     count, so micro-batches of unequal length weigh by their tokens, not equally.
     """
+    if student.head_trainable():
+        raise ValueError(
+            f"the student's LM head takes gradients (lora.target-modules = {list(student.lora_config.target_modules)!r}, or tied "
+            "trainable embeddings): the OPD loss computes it in fp32 as a frozen head and would train it nothing; "
+            "leave lm_head and the embeddings out of lora.target-modules"
+        )
     tokens = max(sum(b.num_tokens for b in micro), 1)
-    # 1 / tokens as autograd computes it for the division below (an fp32 scalar)
-    scale = None if student.head_trainable() else float(torch.ones(()) / tokens)
+    scale = float(torch.ones(()) / tokens)  # 1 / tokens as autograd computes it for the division below (an fp32 scalar)
     loss_sum = 0.0
     for b, th in zip(micro, hidden):
         hs = b.hidden(student)

@@ -27,20 +27,19 @@ def head_block_rows(width: int) -> int:
 
 @contextmanager
 def _tf32_matmuls(enabled: bool) -> Iterator[None]:
-    """TF32 tensor-core matmuls inside (CUDA), restored afterwards, through torch's
-    ``fp32_precision`` setting (torch >= 2.9; the legacy ``allow_tf32`` flag where it is missing:
-    recent torch refuses a mix of the two APIs)."""
+    """TF32 tensor-core matmuls inside (CUDA), restored afterwards. Through
+    ``torch.set_float32_matmul_precision``, which keeps torch's two TF32 APIs consistent (setting
+    only ``matmul.fp32_precision`` makes every query of the legacy ``allow_tf32`` raise until it is
+    restored; setting ``allow_tf32`` is refused by recent torch once the new API was used)."""
     if not enabled:
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    attr, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
-    saved = getattr(matmul, attr)
-    setattr(matmul, attr, value)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
-        setattr(matmul, attr, saved)
+        torch.set_float32_matmul_precision(saved)
 
 
 def _blocked_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

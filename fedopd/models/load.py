@@ -94,7 +94,8 @@ class CausalLM:
 
     def head_trainable(self) -> bool:
         """Whether any parameter of the LM head takes a gradient (LoRA targets the head, or its
-        weight is tied to trainable embeddings); the OPD loss fuses its gradient only when not."""
+        weight is tied to trainable embeddings). :func:`fedopd.models.fp32_head` treats the head as
+        frozen (no weight gradient), so the OPD loss refuses such a student."""
         return any(p.requires_grad for p in self.causal_lm.get_output_embeddings().parameters())
 
     @property

@@ -137,18 +137,27 @@ def check_vllm_sampling(temperature: float, key: str) -> None:
 
 
 def workload_max_num_seqs(per_round: int, eval_prompts: int = 0, eval_samples: int = 0) -> int:
-    """vLLM's ``max_num_seqs`` for this app's largest ``generate`` call: a round's rollouts, or a
-    held-out evaluation's prompts × samples. vLLM's default (serving-sized: 256 on a GPU) sizes its
+    """vLLM's ``max_num_seqs`` for this app's largest ``generate`` call: a learner's rollouts of a
+    round, or a held-out evaluation's prompts × samples. vLLM's default is serving-sized (256, or
+    1,024 on large GPUs: ``vllm/engine/arg_utils.py`` ``get_batch_defaults``) and sizes its
     per-request buffers and the batch sizes whose CUDA graphs it captures at start; a larger call
     than this only queues."""
     return max(1, int(per_round), int(eval_prompts) * int(eval_samples))
 
 
-def run_max_num_seqs(cfg) -> int:
-    """:func:`workload_max_num_seqs` of a run config (its rollouts per round and, when it
-    evaluates, its held-out prompts × samples)."""
+def run_max_num_seqs(cfg) -> int | None:
+    """:func:`workload_max_num_seqs` of a run config: its rollouts per round and, when it
+    evaluates, its held-out prompts × samples. The Centralized reference's one learner generates
+    the rollouts of every client in one call (``RunConfig.learner_budget``): sized by
+    ``num-clients`` where the run sets it, else vLLM's default (None), since the pooled count
+    arrives only with the train message."""
+    per_round = cfg.rollout.per_round
+    if cfg.strategy.name == "centralized":
+        if not cfg.num_clients:
+            return None
+        per_round = cfg.learner_budget(cfg.num_clients)[0]
     evaluates = cfg.eval.every > 0
-    return workload_max_num_seqs(cfg.rollout.per_round, cfg.eval.prompts_per_client if evaluates else 0, cfg.eval.samples)
+    return workload_max_num_seqs(per_round, cfg.eval.prompts_per_client if evaluates else 0, cfg.eval.samples)
 
 
 def llm_kwargs(
@@ -265,23 +274,33 @@ def finished(
     )
 
 
+# The CUDA context of vLLM's engine process (and allocator slack): vLLM checks its share against
+# the memory free after that process has made its context, which this process cannot see.
+ENGINE_CONTEXT_BYTES = int(0.75 * 2**30)
+
+
 def memory_request_problem(share: float, free_bytes: int, total_bytes: int, platform: str) -> str | None:
     """Why vLLM cannot have ``share`` of the device's ``total_bytes`` when ``free_bytes`` are free,
     or None. vLLM asks for ``share × total`` at start (``vllm/v1/worker/utils.py``: "Free memory on
     device ... is less than desired GPU memory utilization"; its CPU build, ``cpu_worker.py``, the
-    same of the host's memory) and would fail in its engine process with a message the client never
-    sees; this one names the key and the direction."""
+    same of the host's memory), measured after its engine process's CUDA context exists
+    (:data:`ENGINE_CONTEXT_BYTES` on a GPU), and would fail in that process with a message the
+    client never sees; this one names the key and the direction."""
+    margin = 0 if platform == "cpu" else ENGINE_CONTEXT_BYTES
     requested = float(share) * total_bytes
-    if requested <= free_bytes:
+    usable = max(0, free_bytes - margin)
+    if requested <= usable:
         return None
     gib = 2**30
     device = "the host's memory" if platform == "cpu" else "the GPU"
-    fits = math.floor(100 * free_bytes / total_bytes) / 100 if total_bytes else 0.0
+    fits = math.floor(100 * usable / total_bytes) / 100 if total_bytes else 0.0
     holders = "other processes" if platform == "cpu" else "other processes (a vLLM engine left over from an earlier run? see nvidia-smi)"
+    context = "" if platform == "cpu" else f", {margin / gib:.2f} GiB of them for vLLM's engine process itself"
     return (
         f"rollout.gpu-memory-utilization = {share:g} asks vLLM for {requested / gib:.1f} GiB of {device} "
-        f"({total_bytes / gib:.1f} GiB), but only {free_bytes / gib:.1f} GiB are free: lower rollout.gpu-memory-utilization "
-        f"(at most {fits:g} fits now), or free the memory that {holders} hold"
+        f"({total_bytes / gib:.1f} GiB), but only {free_bytes / gib:.1f} GiB are free{context}: lower "
+        f"rollout.gpu-memory-utilization (at most {fits:g} fits vLLM now, leaving nothing for training: "
+        f"`python -m fedopd.preflight` plans the whole round), or free the memory that {holders} hold"
     )
 
 
@@ -297,6 +316,7 @@ def device_memory(platform: str) -> tuple[int, int] | None:
 
     if not torch.cuda.is_available():
         return None
+    torch.cuda.empty_cache()  # this process's cached blocks are free for vLLM too
     free, total = torch.cuda.mem_get_info()
     return int(free), int(total)
 
@@ -305,7 +325,11 @@ def device_memory(platform: str) -> tuple[int, int] | None:
 # "(EngineCore pid=...) " prefix vLLM puts on its child processes' lines.
 _CAUSE = re.compile(r"^(?:\(\w+ pid=\d+\) )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b: .+)$")
 # Causes whose fix is a larger share: too little memory left for the KV cache.
-_TOO_SMALL = ("No available memory for the cache blocks", "larger than the available KV cache memory")
+_TOO_SMALL = (
+    "No available memory for the cache blocks",
+    "larger than the available KV cache memory",
+    "less than requested memory for kv",  # the CPU build's worker: a negative request means a share too small
+)
 # Causes whose fix is a smaller share: the share asked for is not free.
 _TOO_LARGE = ("is less than desired GPU memory utilization", "is less than desired CPU memory utilization", "is less than the engine's budget")
 
@@ -330,7 +354,9 @@ def engine_start_failure(message: str, platform: str, gpu_memory_utilization: fl
     if cause is None:
         return f"vLLM's engine process failed to start ({message.split('. ')[0].strip()}); vLLM printed the cause in this client's log"
     if any(s in cause for s in _TOO_SMALL):
-        advice = f"{share} leaves too little for the KV cache: raise it, or lower data.max-prompt-tokens / rollout.max-new-tokens"
+        advice = (
+            f"{share} leaves too little for the KV cache: raise it, or lower data.max-prompt-tokens / rollout.max-new-tokens / eval.max-new-tokens"
+        )
     elif any(s in cause for s in _TOO_LARGE):
         advice = f"{share} is more than is free: lower it, or free the memory other processes hold"
     else:
@@ -346,8 +372,14 @@ class _Tee:
 
     def __init__(self, keep: int = 64 * 1024) -> None:
         self.keep, self.chunks, self._saved, self._lock = keep, {1: b"", 2: b""}, {}, threading.Lock()
+        self._last = time.monotonic()
 
     def __enter__(self) -> _Tee:
+        # multiprocessing's resource tracker, started by vLLM's first spawn, would inherit the
+        # pipes and keep them (and the pumps) for the life of the process: start it before.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
         for fd in (1, 2):
             try:
                 saved = os.dup(fd)
@@ -368,12 +400,17 @@ class _Tee:
     def _pump(self, fd: int, read: int, out: int) -> None:
         try:
             while data := os.read(read, 65536):
-                try:
-                    os.write(out, data)
-                except OSError:
-                    pass
                 with self._lock:
                     self.chunks[fd] = (self.chunks[fd] + data)[-self.keep :]
+                    self._last = time.monotonic()
+                view = memoryview(data)
+                while view:
+                    try:
+                        view = view[os.write(out, view) :]
+                    except BlockingIOError:
+                        time.sleep(0.01)  # a non-blocking output: wait, do not drop
+                    except OSError:
+                        break  # the output is gone: keep the copy only
         finally:
             os.close(read)
             os.close(out)
@@ -388,8 +425,15 @@ class _Tee:
             os.dup2(saved, fd)
             os.close(saved)
 
-    def text(self) -> str:
-        time.sleep(0.2)  # the engine process's last lines, still in the pipe
+    def text(self, quiet_s: float = 0.3, limit_s: float = 5.0) -> str:
+        """What was copied, once the pipes have been quiet for ``quiet_s`` (the engine process's
+        last lines may still be on their way), waiting at most ``limit_s``."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            with self._lock:
+                if time.monotonic() - self._last >= quiet_s:
+                    break
+            time.sleep(0.05)
         with self._lock:
             return (self.chunks[1] + b"\n" + self.chunks[2]).decode(errors="replace")
 
