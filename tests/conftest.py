@@ -127,6 +127,14 @@ def task_identity():
 
 
 @pytest.fixture(scope="session")
+def vllm_gpu_student(tmp_path_factory):
+    """A tiny random student whose attention head size vLLM's GPU backends take (tests/model_fixtures.py)."""
+    from model_fixtures import tiny_student_for_vllm_gpu
+
+    return str(tiny_student_for_vllm_gpu(tmp_path_factory.mktemp("vllm-gpu-student") / "student"))
+
+
+@pytest.fixture(scope="session")
 def model_copies(tmp_path_factory):
     """Folders of sandbox-model copies with real checkpoints' metadata (tests/model_fixtures.py), by name."""
     from model_fixtures import BUILDERS
