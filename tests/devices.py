@@ -1,4 +1,5 @@
-"""Where the bf16 tests run. The tests marked ``gpu`` run numerics at bf16 and assert bounds derived
+"""Where the tests run. The suite runs on the CPU in fp32 whatever the host has (tests/conftest.py
+sets FEDTOPS_DEVICE=cpu). The tests marked ``gpu`` run numerics at bf16 and assert bounds derived
 from bf16's precision (tests/precision.py): they run once per device of :data:`BF16_DEVICES`, on
 CUDA where there is one and on the CPU in bf16 always, so CPU-only CI checks the same bounds."""
 

@@ -228,3 +228,12 @@ def test_a_fedtops_device_that_names_no_usable_device_is_refused(monkeypatch, va
         default_device()
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         load_causal_lm("builtin:tiny-student")
+
+
+def test_the_suite_runs_on_the_cpu_in_fp32(tiny_pair):
+    """tests/conftest.py sets FEDTOPS_DEVICE=cpu, so the session's models are fp32 on the CPU on any
+    host (the processes the tests start inherit it: tests/test_flwr_run.py, tests/test_simulation.py)."""
+    import os
+
+    assert os.environ["FEDTOPS_DEVICE"] == "cpu"
+    assert all(lm.device.type == "cpu" and lm.dtype == torch.float32 for lm in tiny_pair)
