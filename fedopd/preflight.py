@@ -347,13 +347,16 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     import torch
 
+    from fedopd.models.paths import default_device
     from fedopd.rollout.vllm_engine import vllm_platform
 
     cuda = torch.cuda.is_available()
     platform = vllm_platform()
     has_vllm, has_flash = importlib.util.find_spec("vllm") is not None, importlib.util.find_spec("flash_attn") is not None
     backend = cfg.rollout.backend
-    chosen = "vllm" if (backend == "vllm" and platform) or (backend == "auto" and platform == "cuda") else "hf"
+    # auto: vLLM only for a student on CUDA (FEDTOPS_DEVICE=cpu keeps it on HF), as fedopd.rollout.resolve_backend
+    on_cuda = default_device().type == "cuda"
+    chosen = "vllm" if (backend == "vllm" and platform) or (backend == "auto" and platform == "cuda" and on_cuda) else "hf"
     if gpu_free_gib is not None and backend == "auto" and has_vllm:
         chosen = "vllm"
     vllm = "no" if not has_vllm else "yes (CPU build)" if platform == "cpu" else "yes"

@@ -33,6 +33,13 @@ _OWN_CACHE = []
 
 
 def pytest_configure(config):
+    # CPU and fp32 on any host: the tests assert fp32 bounds. The library reads FEDTOPS_DEVICE
+    # wherever it picks a device (fedopd.models.paths.default_device; model.dtype and
+    # rollout.backend 'auto' follow it), and every process started from here inherits it: flwr
+    # run's SuperLink and simulation, Ray workers, SuperNodes, eval subprocesses. The tests marked
+    # gpu choose their device themselves (tests/devices.py). Set before any test runs, and on
+    # every xdist worker (each runs this hook).
+    os.environ["FEDTOPS_DEVICE"] = "cpu"
     if "PYTEST_XDIST_WORKER" in os.environ:  # one compute thread per worker (and its subprocesses)
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(name, "1")
@@ -108,7 +115,8 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def tiny_pair():
-    """The built-in tiny student (LoRA attached, seed 0) and teacher, loaded once per session."""
+    """The built-in tiny student (LoRA attached, seed 0) and teacher, loaded once per session (on
+    the CPU in fp32: FEDTOPS_DEVICE, pytest_configure)."""
     from fedopd.config import LoraSettings
     from fedopd.models import load_pair
 
@@ -124,6 +132,14 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+@pytest.fixture(scope="session")
+def vllm_gpu_student(tmp_path_factory):
+    """A tiny random student whose attention head size vLLM's GPU backends take (tests/model_fixtures.py)."""
+    from model_fixtures import tiny_student_for_vllm_gpu
+
+    return str(tiny_student_for_vllm_gpu(tmp_path_factory.mktemp("vllm-gpu-student") / "student"))
 
 
 @pytest.fixture(scope="session")

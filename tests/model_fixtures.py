@@ -121,3 +121,32 @@ def architecture_only(source: str, dest: Path, architecture: dict) -> Path:
     (path / "model.safetensors").unlink()
     _edit_json(path / "config.json", **architecture, layer_types=["full_attention"] * architecture["num_hidden_layers"])
     return path
+
+
+# vLLM's GPU attention backends take only some head sizes (get_supported_head_sizes: FlashAttention
+# 32, 64, 96, 128, 160, 192, 224, 256; FlashInfer 64, 128, 256); the built-in tiny student's 16 is in
+# none of them. 64 is in every list, and in vLLM's CPU build's (fedopd.rollout.vllm_engine.VLLM_CPU_HEAD_SIZES).
+VLLM_GPU_HEAD_SIZE = 64
+
+
+def tiny_student_for_vllm_gpu(dest: Path) -> Path:
+    """A random 2-layer Qwen3 student with head size 64 (2 query heads, 1 key/value head, hidden size
+    128) and the built-in tiny models' byte-level tokenizer and chat template, written to ``dest``:
+    built locally (fedopd.sandbox.tiny.build_model), nothing downloaded."""
+    from fedopd.sandbox.tiny import TinySpec, build_model, build_tokenizer
+
+    spec = TinySpec(
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=VLLM_GPU_HEAD_SIZE,
+        intermediate_size=256,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        seed=1,
+    )
+    tokenizer = build_tokenizer()
+    build_model(spec, tokenizer).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest

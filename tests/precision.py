@@ -27,6 +27,17 @@ the logits (gain ≈ 1), which the Cauchy–Schwarz scale of :func:`logit_scale`
 sqrt(H). On the tiny models (2-core AMD EPYC) the observed differences sit ~8x below these bounds
 for the student under large LoRA candidates (logits: 2.5e-6 vs 2.1e-5) and 100x or more below
 them for the teacher, whose errors stay near one unit of u·S.
+
+bf16 (the tests marked gpu, tests/devices.py). A bf16 model rounds each op's *output* to bf16
+(u = 2^-8) after fp32 accumulation. Counting every reduction term at u_bf16 with the logit scale S,
+as the fp32 model does, gives logit errors of ~0.7 on the tiny student, and a KL bound of the size
+of the KLs under test. The bf16 bounds below instead count the rounding stages on the path to the
+final hidden state h (:func:`bf16_roundings`), bound ||Δh|| with the same gain-1 statistical
+model (:func:`hidden_error_bf16`: about 10 % of ||h||), and carry Δh through the head's rows to a
+KL by a second-order inequality (:func:`logit_shift_kl`) whose scale is the spread of the head
+rows under p, not their largest norm. Two bf16 evaluations of one function (the cache's forward
+and a scoring pass, batched and sequential) are within PAIR times one evaluation's bound: after a
+few layers their rounding differences are as large as independent roundings.
 """
 
 from __future__ import annotations
@@ -247,3 +258,173 @@ def opd_gradient_error(g: torch.Tensor, student, teacher, seq_len: int, loss: fl
     a_t = 2 * logit_error(teacher, seq_len, u) + log_softmax_error(v, logit_scale(teacher), u)
     rounding = gradient_error(g, model_gradient_roundings(student, seq_len, tokens), u)
     return rounding + float(g.abs().max()) * 2 * (a_s + a_t) / max(loss, 1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 models (the tests marked gpu: on CUDA where there is one, and on the CPU in bf16)
+# ---------------------------------------------------------------------------------------------
+
+# bf16 roundings per decoder layer on the path to the final hidden state. A bf16 model (transformers'
+# Qwen3) runs every op with fp32 accumulation and rounds its *output* to bf16 (|δ| ≤ u_bf16):
+#   input RMSNorm 2 (x/rms(x) rounded, then γ times it), q/k/v projections 3, q and k RMSNorms 2 + 2,
+#   rotary 8 (cos and sin rounded, q·cos, rotate(q)·sin, their sum, the same for k), attention 4
+#   (scores, their scaling, softmax, P·V), o_proj 1, residual add 1, post-attention RMSNorm 2,
+#   gate and up projections 2, SiLU 1, gate·up 1, down projection 1, residual add 1.
+BF16_ROUNDINGS_PER_LAYER = 31
+FINAL_NORM_ROUNDINGS = 2  # the final RMSNorm, as above; its output h feeds the fp32 head
+
+
+def adapted_projections(lm) -> int:
+    """Projections per layer that carry a LoRA adapter (0 without one): PEFT adds the fp32 low-rank
+    term to the bf16 base output and rounds the sum to bf16, one more rounding each."""
+    peft_config = getattr(lm.model, "peft_config", None)
+    return len(peft_config["default"].target_modules) if peft_config else 0
+
+
+def bf16_roundings(lm) -> int:
+    """bf16 roundings on the path from the input to the final hidden state h of ``lm`` in bf16:
+    L·(BF16_ROUNDINGS_PER_LAYER + adapted projections) + FINAL_NORM_ROUNDINGS.
+    Tiny student with its rank-8 adapter on 7 projections: 2·(31 + 7) + 2 = 78; tiny teacher: 3·31 + 2 = 95."""
+    config = lm.causal_lm.config
+    return config.num_hidden_layers * (BF16_ROUNDINGS_PER_LAYER + adapted_projections(lm)) + FINAL_NORM_ROUNDINGS
+
+
+def hidden_norm(lm) -> float:
+    """A priori bound on ||h|| for the final hidden state h = γ ⊙ x/rms(x): ||x/rms(x)|| = sqrt(H),
+    so ||h|| ≤ sqrt(H)·max|γ| (the factor of :func:`logit_scale`). Tiny student: 8."""
+    causal = lm.causal_lm
+    return math.sqrt(causal.config.hidden_size) * float(causal.model.norm.weight.detach().float().abs().max())
+
+
+def hidden_error_bf16(lm, seq_len: int) -> float:
+    """Bound on ||ĥ − h||, the error of the final hidden state of one bf16 evaluation of ``lm``.
+
+    The model of the fp32 bounds above, with bf16's u at the n_b = :func:`bf16_roundings` stage
+    outputs: gain 1 (a stage's relative rounding, |δ| ≤ u_bf16 entrywise, moves h by at most
+    u_bf16·||h||), the n_b roundings independent and mean zero: SIGMAS·u_bf16·sqrt(n_b/3)·||h||.
+    Inside the stages the fp32 accumulations (tensor cores may truncate: 2u per addition, not mean
+    zero) add at most γ(n, 2u32) relative, n = :func:`forward_roundings`, worst case:
+        Δh ≤ (SIGMAS·u_bf16·sqrt(n_b/3) + n·2u32/(1 − n·2u32))·sqrt(H)·max|γ|
+    Tiny student with LoRA (T = 17): (5·2^-8·sqrt(78/3) + 1.6e-4)·8 ≈ (0.0996 + 0.0002)·8 ≈ 0.80,
+    a relative error of 10 %. A check of the model, not its source: bf16 forwards of the four
+    built-in models (no adapter) against float64 forwards of the same weights, 240 positions each,
+    have max ||Δh|| at 8 % (tiny student), 21 % (tiny teacher), 11 % (sandbox student) and 44 %
+    (sandbox teacher) of this bound.
+    """
+    n32 = forward_roundings(lm.causal_lm.config, seq_len, lora_rank(lm))
+    return (SIGMAS * UBF16 * math.sqrt(bf16_roundings(lm) / 3.0) + truncating_sum_error(n32)) * hidden_norm(lm)
+
+
+def head_rows(lm) -> torch.Tensor:
+    """The LM head's rows w_v (V, H) in float64, the compared width only."""
+    return lm.causal_lm.get_output_embeddings().weight[: lm.logit_width].detach().double().cpu()
+
+
+def head_rounding(lm) -> float:
+    """|r_v|, the rounding of one logit by the fp32 head (:func:`fedopd.models.fp32_head`) on bf16 h and
+    W: products exact in fp32, the H-term sum accumulated in fp32, on tensor cores possibly
+    truncating, so the worst case with 2u per addition: γ(H, 2u32)·Σ|h_i w_vi| ≤ γ(H, 2u32)·logit_scale.
+    Tiny student: 64·2^-23·1.62 ≈ 1.2e-5."""
+    return truncating_sum_error(lm.causal_lm.config.hidden_size) * logit_scale(lm)
+
+
+def truncating_sum_error(n: int, u: float = U32) -> float:
+    """Relative error (w.r.t. Σ|terms|) of an n-term fp32 sum on CUDA tensor cores, which accumulate
+    in fp32 but may truncate (Fasi et al., PeerJ CS 2021): not mean zero, so only the worst case,
+    with one ulp (2u) per addition: γ(n, 2u) = n·2u/(1 − n·2u)."""
+    return n * 2 * u / (1 - n * 2 * u)
+
+
+def head_sum_error(n: int, device_type: str) -> float:
+    """Relative error of one logit of :func:`fedopd.models.fp32_head` on bf16 values over n terms
+    (the products are exact in fp32): on the CPU an fp32 sum rounded to nearest, :func:`sum_error`;
+    on CUDA TF32 tensor cores, :func:`truncating_sum_error`."""
+    return truncating_sum_error(n) if device_type == "cuda" else sum_error(n)
+
+
+def bennett(b: float) -> float:
+    """ψ(b) = (e^b − 1 − b)/b², with e^x ≤ 1 + x + ψ(b)·x² for every x ≤ b ((e^x − 1 − x)/x² is
+    increasing in x). ψ → 1/2 as b → 0."""
+    return (math.expm1(b) - b) / b**2 if b > 1e-4 else 0.5 + b / 6.0
+
+
+def head_spread(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """sqrt(λ_max(Cov_p(w))) per distribution: the largest standard deviation, under p (..., V), of
+    a projection u·w_v of the head rows (V, H) onto a unit vector u. Float64."""
+    p = p.double()
+    mean = p @ rows
+    second = (rows.T * p[..., None, :]) @ rows  # Σ_v p_v w_v w_vᵀ, one batched GEMM
+    cov = second - mean[..., :, None] * mean[..., None, :]
+    return torch.linalg.eigvalsh(cov)[..., -1].clamp_min(0.0).sqrt()
+
+
+def logit_shift_kl(p: torch.Tensor, rows: torch.Tensor, dh: float, r: float) -> torch.Tensor:
+    """Bound on KL(p ‖ q) per distribution when q's logits are p's plus e = W·Δh + Δr, ||Δh|| ≤ dh,
+    |Δr_v| ≤ r (two evaluations of one distribution whose final hidden states differ by Δh and whose
+    heads round differently by Δr).
+
+    Proof. q = p·e^e / E_p[e^e], so KL(p ‖ q) = log E_p[e^X] with X = e − E_p[e], E_p[X] = 0.
+    X ≤ b := max e − min e ≤ 2·e_max, e_max = max_v ||w_v||·dh + r (Cauchy–Schwarz). By
+    :func:`bennett`, E_p[e^X] ≤ 1 + ψ(b)·Var_p(X), and log(1 + y) ≤ y:
+        KL(p ‖ q) ≤ ψ(b)·Var_p(e),
+    Var_p(e) ≤ (sd_p(W·Δh) + sd_p(Δr))² ≤ (sqrt(λ_max(Cov_p(w)))·dh + r)²
+    (Δhᵀ Cov_p(w) Δh ≤ λ_max·||Δh||²). Second order in dh, unlike the max-norm bound
+    KL ≤ (2·e_max)²/8 (Hoeffding's lemma), which is larger by about max||w_v||²/λ_max.
+    Coarsening both onto S and a tail cannot increase a KL (data processing), so the bound holds
+    for KL(p̃ ‖ q̃) of the coarsened pair too.
+    """
+    e_max = float(rows.norm(dim=-1).max()) * dh + r
+    return bennett(2 * e_max) * (head_spread(p, rows) * dh + r) ** 2
+
+
+def logit_shift_e_max(rows: torch.Tensor, dh: float, r: float) -> float:
+    """max_v |e_v| for e = W·Δh + Δr, ||Δh|| ≤ dh, |Δr| ≤ r: max_v ||w_v||·dh + r."""
+    return float(rows.norm(dim=-1).max()) * dh + r
+
+
+def coarse_rounding_kl(lse_err: float, e_max: float) -> float:
+    """What the fp32 logsumexps of ``coarsen_logits`` add to a KL of two coarsened distributions.
+
+    Each evaluation's coarse entries are exp(z − T̂) (kept) and exp(Ô − T̂) (tail), T̂ and Ô off by
+    at most ε = lse_err: the computed entries are the exact ones times e^α, |α| ≤ 2ε. With
+    ℓ = log(p̃/q̃) of the exact pair (|ℓ| ≤ 2·e_max: z and each logsumexp move by at most e_max),
+        Σ p̂·log(p̂/q̂) ≤ Σ p̂·ℓ + e^{2ε}·4ε ≤ KL(p̃ ‖ q̃) + expm1(2ε)·2·e_max + e^{2ε}·4ε.
+    The float64 KL itself adds ~1e-15.
+    """
+    return math.expm1(2 * lse_err) * 2 * e_max + math.exp(2 * lse_err) * 4 * lse_err
+
+
+def coarse_rounding_kl_change(lse_err: float, e_max: float) -> float:
+    """What the fp32 logsumexps of ``coarsen_logits`` add to KL(p̃ ‖ q̃₁) − KL(p̃ ‖ q̃₂), p̃ a fixed
+    cached row: each q̂ is the exact coarsening times e^β, |β| ≤ 2ε, so Σ p̂·log(q̂₂/q̂₁) moves by at
+    most Σp̂·4ε ≤ e^{2ε}·4ε; and p̂ itself sums to 1 within expm1(2ε), which scales the common
+    shift T₂ − T₁ (|T₂ − T₁| ≤ e_max) of the proof of :func:`kl_change_from_logit_shift`."""
+    return math.exp(2 * lse_err) * 4 * lse_err + math.expm1(2 * lse_err) * e_max
+
+
+def kl_change_from_logit_shift(
+    p_coarse: torch.Tensor, q_coarse: torch.Tensor, q_full: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor, dh: float, r: float
+) -> torch.Tensor:
+    """Bound on |KL(p̃ ‖ q̃₁) − KL(p̃ ‖ q̃₂)| per position: p̃ fixed (a cached row), q̃₁ = ``q_coarse``
+    the coarsening of q = ``q_full`` on ``token_ids`` (−1: padding), q̃₂ that of q's logits plus
+    e = W·Δh + Δr (||Δh|| ≤ dh, |Δr_v| ≤ r).
+
+    Proof. With ẽ the coarse log-shift (e_i on kept ids, ẽ_tail = O₂ − O₁ the move of the logsumexp
+    outside S, |ẽ_tail| ≤ e_max) and T₂ − T₁ = log E_q[e^e] (exactly log E_q̃₁[e^ẽ]),
+        KL(p̃ ‖ q̃₁) − KL(p̃ ‖ q̃₂) = E_p̃[ẽ] − (T₂ − T₁)
+                                  = (E_p̃ − E_q̃₁)[ẽ] − (T₂ − T₁ − E_q̃₁[ẽ]).
+    The last bracket is ≥ 0 (Jensen on S and the tail) and ≤ log E_q[e^e] − E_q[e] (ẽ_tail ≥ the
+    q-mean of e outside S, Jensen) ≤ ψ(2·e_max)·Var_q(e) as in :func:`logit_shift_kl`. The first:
+        |Σ_S (p̃_i − q̃_i)(w_i·Δh + Δr_i) + (p̃_t − q̃_t)·ẽ_tail|
+            ≤ ||Σ_S (p̃_i − q̃_i)·w_i||·dh + Σ_S |p̃_i − q̃_i|·r + |p̃_t − q̃_t|·e_max.
+    First order in dh only through the mean head row of p̃ against that of q̃₁.
+    """
+    p_coarse, q_coarse = p_coarse.double(), q_coarse.double()
+    kept = token_ids >= 0
+    diff = (p_coarse[..., :-1] - q_coarse[..., :-1]) * kept
+    w = rows[token_ids.clamp_min(0)] * kept[..., None]  # (N, k, H)
+    mean_shift = torch.einsum("nk,nkh->nh", diff, w).norm(dim=-1)
+    e_max = logit_shift_e_max(rows, dh, r)
+    first = mean_shift * dh + diff.abs().sum(-1) * r + (p_coarse[..., -1] - q_coarse[..., -1]).abs() * e_max
+    second = bennett(2 * e_max) * (head_spread(q_full, rows) * dh + r) ** 2
+    return first + second

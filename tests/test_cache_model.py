@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from precision import coarse_log_prob_pair_error, logit_error, logsumexp_error, lse_error, sum_error
+from devices import on_bf16_devices
+from precision import coarse_log_prob_pair_error, head_sum_error, logit_error, logsumexp_error, lse_error
 
 from fedopd.config import CacheSettings
 from fedopd.distill.cache import build_scoring_cache
@@ -104,28 +105,34 @@ def test_cached_tail_is_one_minus_the_full_softmax_mass_on_s_not_renormalized(ca
         assert cache.teacher[row, -1] > 1e-3  # a real tail: renormalizing S would have dropped it
 
 
-def test_cached_probabilities_of_a_bf16_model_come_from_fp32_logits():
+@on_bf16_devices
+def test_cached_probabilities_of_a_bf16_model_come_from_fp32_logits(device):
     from fedopd.config import LoraSettings
     from fedopd.models import attach_lora, load_causal_lm
 
-    student = attach_lora(load_causal_lm("builtin:tiny-student", dtype="bfloat16"), LoraSettings(), seed=0)
-    teacher = load_causal_lm("builtin:tiny-teacher", dtype="bfloat16")
+    on = torch.device(device)
+    student = attach_lora(load_causal_lm("builtin:tiny-student", dtype="bfloat16", device=on), LoraSettings(), seed=0)
+    teacher = load_causal_lm("builtin:tiny-teacher", dtype="bfloat16", device=on)
     rollouts = Rollouts([PROMPTS[0]], [RESPONSES[0]], [False])
     cache = build_scoring_cache(student, teacher, rollouts, dataclasses.replace(SETTINGS, rollouts=1), seed=0)
 
-    seq = torch.tensor([PROMPTS[0] + RESPONSES[0][:-1]])  # up to the last cached prefix
+    # The bf16 hidden states of the cache's own forward (the same call on the same inputs), so the
+    # two sides differ only in the head.
+    width = int(cache.positions[:, 1].max()) + 1
+    ids, mask = (torch.from_numpy(a[:, :width]).to(on) for a in (cache.input_ids, cache.attention_mask))
     with torch.no_grad():
-        hidden = student.causal_lm.model(input_ids=seq).last_hidden_state[0]  # bf16 body
-    weight = student.causal_lm.get_output_embeddings().weight
+        hidden = student.hidden_states(ids, mask)[0]
+    hidden, weight = hidden.cpu(), student.causal_lm.get_output_embeddings().weight.cpu()
     fp32_head = torch.softmax(hidden.double() @ weight.double().T, -1)  # the head in high precision
     bf16_head = torch.softmax((hidden @ weight.T).double(), -1)  # bf16 logits, upcast afterwards
     prompt_len = len(PROMPTS[0])
-    # The bf16 hidden states are the same in both; what differs is the head. bf16·bf16 products
-    # are exact in fp32, so an fp32 logit is off only by its fp32 sum over H terms,
-    # e ≤ sum_error(H)·Σ|h_i w_vi|. A kept q̃_i = exp(z_i − T) then moves by e + |ΔT| ≤ 2e + ε in
-    # log (ε: the fp32 logsumexp T), the tail exp(O − T) by 2e + 2ε (O: the logsumexp outside S).
+    # What differs is the head. bf16·bf16 products are exact in fp32, so an fp32 logit is off only
+    # by its fp32 sum over H terms, e ≤ head_sum_error(H)·Σ|h_i w_vi| (rounded to nearest on the
+    # CPU: precision.sum_error; TF32 tensor cores on CUDA may truncate: the worst case). A kept
+    # q̃_i = exp(z_i − T) then moves by e + |ΔT| ≤ 2e + ε in log (ε: the fp32 logsumexp T), the
+    # tail exp(O − T) by 2e + 2ε (O: the logsumexp outside S).
     logits = hidden.double() @ weight.double().T
-    e = sum_error(hidden.shape[-1]) * float((hidden.double().abs() @ weight.double().abs().T).max())
+    e = head_sum_error(hidden.shape[-1], device) * float((hidden.double().abs() @ weight.double().abs().T).max())
     eps = logsumexp_error(student.logit_width, float(logits.abs().max()))
     rtol = np.expm1([2 * e + eps] * (cache.token_ids.shape[1]) + [2 * e + 2 * eps])
     max_bf16_error = 0.0

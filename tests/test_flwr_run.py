@@ -5,6 +5,7 @@
 The local SuperLink that ``flwr run`` starts in the background is stopped afterwards.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,28 +46,41 @@ def _stop_local_superlink(flwr_home: Path, port: int) -> None:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def flwr(tmp_path_factory):
+@contextlib.contextmanager
+def flwr_runner(tmp_path_factory, federation: str = "num-supernodes=3", unset: tuple[str, ...] = ()):
+    """``run(*run_config)``: flwr run of this app in an isolated Flower home with ``federation`` as
+    its federation config, in this environment less the variables ``unset``."""
     if shutil.which("flwr") is None and not (Path(sys.executable).parent / "flwr").exists():
         pytest.skip("the flwr command is not installed")
     # flwr run starts a local SuperLink on FLWR_LOCAL_SUPERLINK_HTTP_API_PORT (Flower 1.41: one
     # HTTP port for all its APIs), or joins the one already answering there. A free port of its
     # own keeps this test off any SuperLink that is already running (a user's, another test's).
+    # The SuperLink it starts, and the runs' processes under it, inherit this environment, with
+    # FEDTOPS_DEVICE=cpu (tests/conftest.py) unless it is unset here.
     port = _free_port()
     home = tmp_path_factory.mktemp("flwr-home")
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env |= {"FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port)}
 
     def run(*run_config: str) -> subprocess.CompletedProcess:
         # Through the project's checked runner: flwr run's output, and an exit status that says
         # whether the run completed (flwr run --stream itself exits 0 either way).
-        cmd = [sys.executable, "-m", "server_app.run_status", "run", ".", "--federation-config", "num-supernodes=3"]
+        cmd = [sys.executable, "-m", "server_app.run_status", "run", ".", "--federation-config", federation]
         for item in run_config:
             cmd += ["--run-config", item]
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
     run.port = port
-    yield run
-    _stop_local_superlink(home, port)
+    try:
+        yield run
+    finally:
+        _stop_local_superlink(home, port)
+
+
+@pytest.fixture(scope="module")
+def flwr(tmp_path_factory):
+    with flwr_runner(tmp_path_factory) as run:
+        yield run
 
 
 def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from_round_zero(flwr, tmp_path):
@@ -76,6 +90,9 @@ def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from
     assert len(folders) == 1, log[-3000:]
     assert done.returncode == 0, log[-3000:]
     assert json.loads((folders[0] / "status.json").read_text())["status"] == "completed"
+    # FEDTOPS_DEVICE=cpu (tests/conftest.py) reached the run's processes: fp32 and HF on any host
+    resolved = json.loads((folders[0] / "config.json").read_text())["resolved"]
+    assert resolved["model.dtype"] == "float32" and resolved["rollout.backend"] == "hf"
     assert (folders[0] / "progress.png").read_bytes()[:4] == b"\x89PNG"
     for pid in range(3):  # progress: each client's reply, as it arrives, with its phases
         assert f"client {pid} trained: " in log and f"client {pid} scored 6 candidates" in log

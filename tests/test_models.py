@@ -1,5 +1,6 @@
 """Loading, LoRA attachment, wire arrays and adapter folders on the built-in tiny models."""
 
+import re
 import shutil
 
 import numpy as np
@@ -187,3 +188,52 @@ def test_local_folder_loads_like_a_hub_model(tmp_path):
     lm = load_causal_lm(str(copy))
     assert lm.dtype == torch.float32 and lm.device.type in ("cpu", "cuda")
     assert lm.model.config.model_type == "qwen3"
+
+
+def test_fedtops_device_sets_the_default_device_and_auto_dtype_follows(monkeypatch):
+    from fedopd.models import default_device, resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as default_device can tell
+    monkeypatch.setenv("FEDTOPS_DEVICE", "cpu")
+    assert default_device() == torch.device("cpu") and resolve_dtype("auto", default_device()) == torch.float32
+    for unset in ("", "auto", " AUTO "):
+        monkeypatch.setenv("FEDTOPS_DEVICE", unset)
+        assert default_device() == torch.device("cuda") and resolve_dtype("auto", default_device()) == torch.bfloat16
+    monkeypatch.delenv("FEDTOPS_DEVICE")
+    assert default_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("FEDTOPS_DEVICE", "cuda:1")
+    assert default_device() == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FEDTOPS_DEVICE")
+    assert default_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "value, cuda_devices, message",
+    [
+        ("tpu", 0, "FEDTOPS_DEVICE='tpu' is not a device; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'"),
+        ("mps", 0, "FEDTOPS_DEVICE='mps' is not a device"),
+        ("cuda", 0, "FEDTOPS_DEVICE='cuda', but this host has 0 CUDA device"),
+        ("cuda:1", 1, "FEDTOPS_DEVICE='cuda:1', but this host has 1 CUDA device"),
+    ],
+)
+def test_a_fedtops_device_that_names_no_usable_device_is_refused(monkeypatch, value, cuda_devices, message):
+    from fedopd.models import default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    monkeypatch.setenv("FEDTOPS_DEVICE", value)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        default_device()
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_causal_lm("builtin:tiny-student")
+
+
+def test_the_suite_runs_on_the_cpu_in_fp32(tiny_pair):
+    """tests/conftest.py sets FEDTOPS_DEVICE=cpu, so the session's models are fp32 on the CPU on any
+    host (the processes the tests start inherit it: tests/test_flwr_run.py, tests/test_simulation.py)."""
+    import os
+
+    assert os.environ["FEDTOPS_DEVICE"] == "cpu"
+    assert all(lm.device.type == "cpu" and lm.dtype == torch.float32 for lm in tiny_pair)

@@ -95,13 +95,32 @@ def test_temperature_zero_is_greedy_decoding(tiny_pair):
 
 
 @pytest.mark.parametrize(
-    "backend, platform, engine",
-    [("auto", None, "hf"), ("auto", "cpu", "hf"), ("auto", "cuda", "vllm"), ("vllm", "cpu", "vllm"), ("vllm", "cuda", "vllm"), ("hf", "cuda", "hf")],
+    "backend, platform, device, engine",
+    [
+        ("auto", None, "cpu", "hf"),
+        ("auto", "cpu", "cpu", "hf"),
+        ("auto", "cuda", "cuda", "vllm"),
+        ("auto", "cuda", "cpu", "hf"),  # a student kept on the CPU of a GPU host (FEDTOPS_DEVICE=cpu)
+        ("vllm", "cpu", "cpu", "vllm"),
+        ("vllm", "cuda", "cuda", "vllm"),
+        ("vllm", "cuda", "cpu", "vllm"),  # asked for: vLLM on the GPU in the CPU student's dtype
+        ("hf", "cuda", "cuda", "hf"),
+    ],
 )
-def test_auto_takes_vllm_only_on_cuda_and_vllm_runs_its_cpu_build(backend, platform, engine):
+def test_auto_takes_vllm_only_for_a_student_on_cuda_and_vllm_runs_its_cpu_build(backend, platform, device, engine):
     from fedopd.rollout import resolve_backend
 
-    assert resolve_backend(backend, platform) == engine
+    assert resolve_backend(backend, platform, device) == engine
+
+
+@pytest.mark.parametrize("pinned, engine", [("cpu", "hf"), ("auto", "vllm")])
+def test_auto_follows_the_default_device_when_no_student_device_is_given(monkeypatch, pinned, engine):
+    """engine_settings and preflight ask without a student: the host's default device decides."""
+    from fedopd.rollout import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as far as the default device can tell
+    monkeypatch.setenv("FEDTOPS_DEVICE", pinned)
+    assert resolve_backend("auto", "cuda") == engine
 
 
 def test_asking_for_vllm_where_it_cannot_run_names_both_ways_to_get_it():
@@ -112,14 +131,11 @@ def test_asking_for_vllm_where_it_cannot_run_names_both_ways_to_get_it():
 
 
 def test_config_json_records_the_dtype_and_the_engine_of_this_host():
-    """On a CPU host without vLLM: model.dtype auto is float32 (both engines), auto is HF."""
-    import torch
-
+    """On the CPU (FEDTOPS_DEVICE=cpu, tests/conftest.py, on any host): model.dtype auto is float32
+    (both engines), auto is HF."""
     from fedopd.config import parse_run_config
     from server_app.app import engine_settings
 
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA host resolves auto to bfloat16")
     assert engine_settings(parse_run_config({})) == {"model.dtype": "float32", "rollout.backend": "hf"}
     assert engine_settings(parse_run_config({"model.dtype": "bfloat16", "rollout.backend": "vllm"})) == {
         "model.dtype": "bfloat16",

@@ -43,9 +43,22 @@ def _apps(overrides):
     def _main(grid, context):
         run_server(grid, cfg)
 
+    def record_worker_models():
+        """Where this Ray worker's models run (its cached ones: no second load), one file per worker
+        process in the run's output folder. Nested, so Ray pickles it by value."""
+        import os
+        from pathlib import Path
+
+        from client_app.worker import _models
+
+        student = _models(cfg).student
+        (Path(cfg.output_dir) / f"worker-{os.getpid()}.models").write_text(f"{student.device.type} {student.dtype}")
+
     @client.train()
     def _train(msg, context):
-        return train(msg, with_run_config(context))
+        reply = train(msg, with_run_config(context))
+        record_worker_models()
+        return reply
 
     @client.query("score")
     def _score(msg, context):
@@ -95,6 +108,13 @@ def test_each_strategy_runs_two_rounds_with_three_clients(runs, name):
         assert r["excluded"] == []
     config = json.loads((folder / "config.json").read_text())
     assert config["strategy.name"] == name and config["num-server-rounds"] == 2
+
+
+def test_the_ray_workers_run_the_models_on_the_cpu_in_fp32(runs):
+    """FEDTOPS_DEVICE=cpu (tests/conftest.py) reaches Flower's Ray workers: on a GPU host too."""
+    for name, (folder, _) in runs.items():
+        seen = {p.read_text() for p in folder.parent.glob("worker-*.models")}
+        assert seen == {"cpu torch.float32"}, (name, seen)
 
 
 def test_multipliers_are_recorded_as_expected(runs):

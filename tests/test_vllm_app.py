@@ -5,9 +5,11 @@ a held-out evaluation. Skipped where vLLM cannot run."""
 import json
 
 import pytest
-from test_flwr_run import flwr  # noqa: F401 - the fixture: flwr run in an isolated Flower home
+import torch
+from test_flwr_run import flwr_runner
 
-from fedopd.rollout.vllm_engine import vllm_platform
+from fedopd.models import resolve_dtype
+from fedopd.rollout.vllm_engine import torch_dtype_name, vllm_platform
 
 pytestmark = [
     pytest.mark.slow,
@@ -16,7 +18,18 @@ pytestmark = [
 ]
 
 
-def test_flwr_run_of_the_sandbox_preset_on_vllm_completes_with_a_held_out_evaluation(flwr, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def flwr(tmp_path_factory):
+    """flwr run as a user runs it on this host: without the suite's FEDTOPS_DEVICE=cpu, so on a GPU
+    host the models run on CUDA in bf16 and vLLM with them, one ClientApp actor holding the GPU
+    (client-resources-num-gpus=1.0, as in docs/reproducing-the-paper.md; Ray hides the GPU from an
+    actor that asks for none)."""
+    federation = "num-supernodes=3" + (" client-resources-num-gpus=1.0" if torch.cuda.is_available() else "")
+    with flwr_runner(tmp_path_factory, federation, unset=("FEDTOPS_DEVICE",)) as run:
+        yield run
+
+
+def test_flwr_run_of_the_sandbox_preset_on_vllm_completes_with_a_held_out_evaluation(flwr, tmp_path):
     memory = "0.1" if vllm_platform() == "cpu" else "0.3"  # the CPU build: a share of the host's memory
     done = flwr(
         f"output-dir='{tmp_path}' num-server-rounds=2 rollout.backend='vllm' rollout.gpu-memory-utilization={memory} "
@@ -26,7 +39,9 @@ def test_flwr_run_of_the_sandbox_preset_on_vllm_completes_with_a_held_out_evalua
     folders = [p.parent for p in tmp_path.glob("*/config.json")]
     assert len(folders) == 1 and done.returncode == 0, log[-4000:]
     config = json.loads((folders[0] / "config.json").read_text())
-    assert config["resolved"]["rollout.backend"] == "vllm" and config["resolved"]["model.dtype"] == "float32"
+    # model.dtype auto as this host resolves it: bf16 with a CUDA device, fp32 on vLLM's CPU build
+    host = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert config["resolved"]["rollout.backend"] == "vllm" and config["resolved"]["model.dtype"] == torch_dtype_name(resolve_dtype("auto", host))
     assert json.loads((folders[0] / "status.json").read_text())["status"] == "completed"
     rounds = [json.loads(line) for line in (folders[0] / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]

@@ -261,6 +261,7 @@ def test_engine_hands_vllm_the_built_arguments(monkeypatch, tmp_path):
 # --- the real engine (vLLM + CUDA) ---------------------------------------------------------------
 
 
+@pytest.mark.gpu
 def test_real_vllm_engine_on_the_sandbox_student():
     pytest.importorskip("vllm", reason="vLLM is not installed")
     import torch

