@@ -19,6 +19,7 @@ from fedopd.rollout import HFRolloutEngine
 
 @pytest.mark.slow
 def test_new_worker_models_close_the_old_ones_first(monkeypatch):
+    worker.close_worker_models()  # whatever an earlier test in this process left
     closed, loads = [], []
     monkeypatch.setattr(HFRolloutEngine, "close", lambda self: closed.append(self), raising=False)
     original = worker.load_client_models
@@ -29,7 +30,6 @@ def test_new_worker_models_close_the_old_ones_first(monkeypatch):
 
     monkeypatch.setattr(worker, "load_client_models", loading)
     model = ModelSettings(student="builtin:tiny-student", teacher="builtin:tiny-teacher", dtype="float32")
-    worker.close_worker_models()
     try:
         first = worker.worker_models(model, LoraSettings(), "hf", 256, 0.3)
         assert worker.worker_models(model, LoraSettings(), "hf", 256, 0.3) is first and loads == [[]]  # the same config: kept

@@ -85,8 +85,14 @@ def fingerprint(run: Path) -> dict:
 
 
 def run_preset(preset: str, output_dir: str) -> Path:
+    """The preset's run, on one compute thread: fp32 matmuls round differently with other
+    thread counts (oneDNN splits their reductions), and the suite's workers use one."""
+    import torch
+
     from fedopd.config.presets import app_defaults
     from server_app.inprocess import run_in_process
+
+    torch.set_num_threads(1)
 
     return run_in_process({**app_defaults(), **preset_overrides(preset), "output-dir": output_dir})
 
