@@ -99,24 +99,26 @@ def word_level_tokenizer(vocab: int = QWEN3_VOCAB):
     return fast
 
 
-def paper_models(teacher_arch: str, seed: int = 0):
+def paper_models(teacher_arch: str, seed: int = 0, *, layers: int | None = None, dtype: torch.dtype | None = None):
     """Random-weight Qwen3 student (0.6B architecture, LoRA attached) and teacher, bf16 on the GPU
-    (fp32 on the CPU, for a smoke run)."""
+    (fp32 on the CPU, for a smoke run); ``layers``: that many layers of each instead of the
+    architecture's, ``dtype``: another dtype."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from fedopd.config import LoraSettings
     from fedopd.models import CausalLM, attach_lora
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = word_level_tokenizer()
     out = []
     for arch, name in (("0.6b", "student"), (teacher_arch, "teacher")):
-        h, layers, heads, kv, ffn, tied = QWEN3_ARCH[arch]
+        h, arch_layers, heads, kv, ffn, tied = QWEN3_ARCH[arch]
+        n_layers = layers or arch_layers
         config = Qwen3Config(
             vocab_size=QWEN3_VOCAB,
             hidden_size=h,
-            num_hidden_layers=layers,
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv,
             head_dim=128,

@@ -187,42 +187,15 @@ def measure_loss(args) -> dict:
 
 def measure_train(args) -> dict:
     import torch
-    from client_round import QWEN3_ARCH, QWEN3_VOCAB, word_level_tokenizer
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from client_round import paper_models
 
-    from fedopd.config import LoraSettings, parse_run_config
+    from fedopd.config import parse_run_config
     from fedopd.distill.opd import local_opd
-    from fedopd.models import CausalLM, attach_lora
     from fedopd.rollout import Rollouts
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = getattr(torch, args.train_dtype)
-    tokenizer = word_level_tokenizer()
-    models = []
-    for arch in ("0.6b", "8b"):
-        h, _, heads, kv, ffn, tied = QWEN3_ARCH[arch]
-        config = Qwen3Config(
-            vocab_size=QWEN3_VOCAB,
-            hidden_size=h,
-            num_hidden_layers=args.layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            head_dim=128,
-            intermediate_size=ffn,
-            tie_word_embeddings=tied,
-            max_position_embeddings=40960,
-            bos_token_id=151643,
-            eos_token_id=151645,
-            pad_token_id=151643,
-        )
-        torch.manual_seed(len(models))
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        model.eval().requires_grad_(False)
-        models.append(CausalLM(model, tokenizer, device, dtype, QWEN3_VOCAB, f"random Qwen3-{arch} width, {args.layers} layers"))
-    student, teacher = attach_lora(models[0], LoraSettings(), 0), models[1]
+    student, teacher = paper_models("8b", layers=args.layers, dtype=getattr(torch, args.train_dtype))
     lengths = json.loads(args.lengths_json)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, 151000, size=p)] for p, _ in lengths]

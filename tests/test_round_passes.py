@@ -206,25 +206,27 @@ def test_batched_scoring_leaves_the_trained_adapter_active_and_alone_trainable(l
     torch.testing.assert_close(now, again, rtol=0, atol=0)
 
 
+def _loss_and_grad(student, teacher, rollouts, plan, packed):
+    """One mini-batch's loss and LoRA gradients from micro-batches ``plan`` (gradients cleared
+    before and after), and the micro-batches."""
+    batches = make_micro_batches(rollouts, plan, 0, student.device, packed=packed)
+    hidden = teacher_pass(teacher, batches)
+    params = student.lora_parameters()
+    for p in params:
+        p.grad = None
+    loss = minibatch_gradient(student, teacher, list(batches.values()), list(hidden.values()), 1024)
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return loss, grads, batches
+
+
 def test_packed_micro_batches_give_the_padded_loss_and_gradient(lora_student):
     student, teacher, _ = lora_student
     rollouts = Rollouts(PROMPTS, RESPONSES, [False] * 4)
     plan = micro_batches(4, 4, 2)  # one mini-batch of two micro-batches of unequal length
-
-    def loss_and_grad(packed):
-        batches = make_micro_batches(rollouts, plan, 0, student.device, packed=packed)
-        hidden = teacher_pass(teacher, batches)
-        params = student.lora_parameters()
-        for p in params:
-            p.grad = None
-        loss = minibatch_gradient(student, teacher, list(batches.values()), list(hidden.values()), 1024)
-        grads = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        return loss, grads, batches
-
-    padded_loss, padded_grads, padded = loss_and_grad(False)
-    packed_loss, packed_grads, packed = loss_and_grad(True)
+    padded_loss, padded_grads, padded = _loss_and_grad(student, teacher, rollouts, plan, False)
+    packed_loss, packed_grads, packed = _loss_and_grad(student, teacher, rollouts, plan, True)
     assert all(b.packed and b.input_ids.shape[0] == 1 for b in packed.values())
     assert sum(b.input_ids.numel() for b in packed.values()) < sum(b.input_ids.numel() for b in padded.values())
     # Two fp32 evaluations (packed vs padded rows) of the same loss and gradient: twice the error
@@ -374,22 +376,10 @@ def test_length_grouped_micro_batches_give_the_rollout_order_loss_and_gradient(l
     lengths = sequence_lengths(rollouts)
     assert lengths == [12, 4, 15, 9]
 
-    def loss_and_grad(plan):
-        batches = make_micro_batches(rollouts, plan, 0, student.device, packed=False)
-        hidden = teacher_pass(teacher, batches)
-        params = student.lora_parameters()
-        for p in params:
-            p.grad = None
-        loss = minibatch_gradient(student, teacher, list(batches.values()), list(hidden.values()), 1024)
-        grads = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        return loss, grads, batches
-
     in_order, grouped = micro_batches(4, 4, 2), micro_batches(4, 4, 2, lengths)
     assert grouped == [[[1, 3], [0, 2]]] != in_order
-    order_loss, order_grads, order_batches = loss_and_grad(in_order)
-    grouped_loss, grouped_grads, grouped_batches = loss_and_grad(grouped)
+    order_loss, order_grads, order_batches = _loss_and_grad(student, teacher, rollouts, in_order, False)
+    grouped_loss, grouped_grads, grouped_batches = _loss_and_grad(student, teacher, rollouts, grouped, False)
     # padded slots 2·12 + 2·15 = 54 in rollout order, 2·9 + 2·15 = 48 grouped
     assert [sum(b.input_ids.numel() for b in bs.values()) for bs in (order_batches, grouped_batches)] == [54, 48]
     width = max(lengths)
