@@ -56,7 +56,7 @@ def pytest_configure(config):
 
 # The suite runs on every core (pytest-xdist, -n auto in pyproject.toml), each test on its own
 # except for groups that run one test after another on one worker (GROUPS, by the scheduler below):
-# - tests that start a local Ray instance (Flower's simulation, the resident worker): a Ray client
+# - tests that start a local Ray instance (Flower's simulation, the resident worker, its vLLM lifecycle): a Ray client
 #   started without an address joins the latest local instance, so two of them must not overlap;
 # - the tests that read one shared deployment (a module fixture of tests/test_deployment.py), so
 #   that one worker deploys it once. The other deployment tests start their own Ray with an explicit
@@ -64,7 +64,7 @@ def pytest_configure(config):
 # (xdist's own --dist loadgroup does not group under pytest 9: its nodeid suffix is ignored.)
 # Each worker computes with one thread (pytest_configure): two workers of two threads each on two
 # cores spin against each other, and ran the suite slower than one process did.
-RAY_FILES = {"test_flwr_run.py", "test_vllm_app.py", "test_simulation.py", "test_ray_auth.py", "test_resident.py"}
+RAY_FILES = {"test_flwr_run.py", "test_vllm_app.py", "test_simulation.py", "test_ray_auth.py", "test_resident.py", "test_engine_lifecycle.py"}
 SHARED_FIXTURES = {"tests/test_deployment.py": ("tls_run", "lost_run")}
 
 
