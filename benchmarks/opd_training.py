@@ -113,19 +113,15 @@ def sandbox_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
 
 
 def padding_figures(lengths: list[tuple[int, int]], mini: int = 8, micro: int = 4) -> tuple[float, float]:
-    """(padding share in rollout order, grouped by length) of a padded epoch."""
+    """(padding share in rollout order, grouped by length) of a padded epoch (this checkout's
+    :func:`fedopd.distill.opd.micro_batches` and :func:`~fedopd.distill.opd.padding_share`)."""
+    from fedopd.distill.opd import micro_batches, padding_share
+
     seq = [p + r for p, r in lengths]
-
-    def share(grouped: bool) -> float:
-        slots = 0
-        for s in range(0, len(seq), mini):
-            m = list(range(s, min(s + mini, len(seq))))
-            if grouped:
-                m.sort(key=lambda i: seq[i])
-            slots += sum(len(m[i : i + micro]) * max(seq[j] for j in m[i : i + micro]) for i in range(0, len(m), micro))
-        return 1 - sum(seq) / slots
-
-    return share(False), share(True)
+    return (
+        padding_share(micro_batches(len(seq), mini, micro), seq),
+        padding_share(micro_batches(len(seq), mini, micro, seq), seq),
+    )
 
 
 # --- measurements (run in a subprocess, PYTHONPATH = the checkout) -------------------------------
