@@ -3,7 +3,7 @@
     python benchmarks/rollout_throughput.py                  # sandbox student, the default preset's batch
     python benchmarks/rollout_throughput.py --repeats 8 --batch 64 --max-new-tokens 256
 
-Needs vLLM (on a CPU: its CPU build, ``scripts/install_vllm.sh cpu``). Loads the sandbox student
+Needs vLLM (on a CPU: its CPU build, ``scripts/install.sh cpu-vllm``). Loads the sandbox student
 (fp32 on a CPU, bf16 on a GPU, as ``model.dtype = auto`` does) with a non-zero LoRA adapter, starts
 both engines once, and times, alternating the engines (A B B A ...):
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = vllm_platform()
     if platform is None:
-        print("vLLM cannot run here: install it (scripts/install_vllm.sh cpu|gpu)", file=sys.stderr)
+        print("vLLM cannot run here: install it (scripts/install.sh cpu-vllm or gpu-vllm, docs/install.md)", file=sys.stderr)
         return 1
     name = "builtin:sandbox-student"
     student, load_s = timed(lambda: attach_lora(load_causal_lm(name), LoraSettings(), seed=0))

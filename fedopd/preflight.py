@@ -11,7 +11,8 @@ safetensors headers. It checks, in order:
 5. the resolved stop set (``rollout.stop-tokens``);
 6. how many prompts per client survive the ``data.max-prompt-tokens`` filter, and whether the
    longest prompt plus the longest response fits both models' positions (:mod:`fedopd.models.positions`);
-7. whether vLLM, flash-attention and CUDA are present, which engine ``rollout.backend = auto``
+7. torch's version and CUDA build against the NVIDIA driver (a driver too old for that CUDA fails),
+   whether vLLM, flash-attention (its compiled extension loads) and CUDA are present, which engine ``rollout.backend = auto``
    picks, and whether packed micro-batches stay isolated under this host's attention;
 8. an estimate of GPU memory against the card's free memory: what stays for the whole round
    (teacher, HF student with LoRA and AdamW, vLLM's share and its engine process, the teacher's
@@ -27,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -222,6 +224,71 @@ def gpu_memory(simulated_free_gib: float | None) -> tuple[float, float] | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# torch's build and the NVIDIA driver
+# ---------------------------------------------------------------------------------------------
+
+# The oldest Linux driver branch each CUDA major runs on (NVIDIA, "CUDA Compatibility", minor version
+# compatibility: CUDA 13.x >= 580, 12.x >= 525, 11.x >= 450). PyPI's torch 2.13.0 (and vLLM 0.32's)
+# is a CUDA 13.0 build.
+MIN_DRIVER = {11: 450, 12: 525, 13: 580}
+DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
+
+
+def nvidia_driver(version_file: Path = DRIVER_VERSION_FILE) -> str | None:
+    """The loaded NVIDIA kernel driver's version ("580.65.06"), or None where none is loaded.
+
+    Read from the kernel module's own file, which exists whenever the driver is loaded, also when
+    torch cannot use it; else from ``nvidia-smi``.
+    """
+    import re
+    import shutil
+    import subprocess
+
+    try:
+        m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", version_file.read_text())
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+            if re.fullmatch(r"\d+\.\d+(\.\d+)?", first):
+                return first
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None
+
+
+def torch_build_row(
+    torch_version: str, torch_cuda: str | None, driver: str | None, cuda_available: bool, *, cpu_pinned: bool = False
+) -> tuple[str, str]:
+    """(status, detail) of torch's build against this host's NVIDIA driver.
+
+    FAIL when a GPU's driver is present but too old for torch's CUDA major (:data:`MIN_DRIVER`),
+    or when torch sees no GPU beside a driver; WARN for a CPU build of torch beside a driver.
+    A student pinned to the CPU (``FEDTOPS_DEVICE=cpu``) turns both FAILs into WARNs.
+    """
+    build = f"CUDA {torch_cuda} build" if torch_cuda else "CPU build"
+    head = f"torch {torch_version} ({build}), NVIDIA driver {driver or 'none'}"
+    bad = WARN if cpu_pinned else FAIL
+    if driver is None:
+        return OK, head + ("" if torch_cuda is None else "; no GPU: runs on the CPU")
+    if torch_cuda is None:
+        return WARN, f"{head}: a GPU is present but this torch cannot use it; install a CUDA build (scripts/install.sh gpu, docs/install.md)"
+    major, driver_major = int(torch_cuda.split(".")[0]), int(driver.split(".")[0])
+    need = MIN_DRIVER.get(major)
+    if need is not None and driver_major < need:
+        fits = max((m for m, d in MIN_DRIVER.items() if driver_major >= d), default=None)
+        other = f", or install a torch for CUDA {fits}.x (TORCH_BACKEND=auto scripts/install.sh gpu)" if fits else ""
+        return bad, f"{head}: the driver is too old for CUDA {torch_cuda} (needs >= {need}); update the driver{other}, docs/install.md"
+    if not cuda_available:
+        return bad, f"{head}: torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and `nvidia-smi`)"
+    return OK, head
+
+
+# ---------------------------------------------------------------------------------------------
 # The checks
 # ---------------------------------------------------------------------------------------------
 
@@ -347,12 +414,17 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     import torch
 
-    from fedopd.models.paths import default_device
+    from fedopd.models.paths import DEVICE_VARIABLE, default_device, flash_attention_status
     from fedopd.rollout.vllm_engine import vllm_platform
 
     cuda = torch.cuda.is_available()
+    status, detail = torch_build_row(
+        torch.__version__, torch.version.cuda, nvidia_driver(), cuda, cpu_pinned=os.environ.get(DEVICE_VARIABLE, "").strip() == "cpu"
+    )
+    report.add("torch", status, detail)
     platform = vllm_platform()
-    has_vllm, has_flash = importlib.util.find_spec("vllm") is not None, importlib.util.find_spec("flash_attn") is not None
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_flash, flash_why = flash_attention_status() if cuda else (False, "")
     backend = cfg.rollout.backend
     # auto: vLLM only for a student on CUDA (FEDTOPS_DEVICE=cpu keeps it on HF), as fedopd.rollout.resolve_backend
     on_cuda = default_device().type == "cuda"
@@ -360,7 +432,8 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     if gpu_free_gib is not None and backend == "auto" and has_vllm:
         chosen = "vllm"
     vllm = "no" if not has_vllm else "yes (CPU build)" if platform == "cpu" else "yes"
-    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {vllm}, flash-attention {'yes' if has_flash else 'no'}"
+    flash = "yes" if has_flash else f"no ({flash_why})" if importlib.util.find_spec("flash_attn") is not None and cuda else "no"
+    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {vllm}, flash-attention {flash}"
     if backend == "vllm" and platform is None:
         report.add(
             "engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU, or vLLM's CPU build; install one or use 'auto'/'hf'"

@@ -1,7 +1,7 @@
 """vLLM's engine process has a lifecycle: a worker whose models are replaced (another
 ``rollout.gpu-memory-utilization`` after a failed first try, say) or that stops leaves no engine
 process behind, in process and in the resident Ray worker. Counted, on vLLM's CPU build (CI's
-second environment, scripts/install_vllm.sh cpu); skipped where vLLM cannot run.
+second environment, scripts/install.sh cpu-vllm); skipped where vLLM cannot run.
 
 The engine processes are found by the name vLLM gives them (``VLLM::EngineCore``, set with
 setproctitle in vllm/v1/engine/core.py) among this host's processes started during the test."""
@@ -18,7 +18,7 @@ from fedopd.rollout.vllm_engine import vllm_platform
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install_vllm.sh cpu installs its CPU build)"),
+    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install.sh cpu-vllm installs its CPU build)"),
 ]
 
 SHARE = (0.05, 0.06) if vllm_platform() == "cpu" else (0.2, 0.25)  # the CPU build: a share of the host's memory

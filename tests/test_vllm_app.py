@@ -1,5 +1,5 @@
 """The whole app on vLLM: ``flwr run .`` of the sandbox preset with ``rollout.backend = 'vllm'``
-(its CPU build in CI's second environment, scripts/install_vllm.sh), three clients, two rounds,
+(its CPU build in CI's second environment, scripts/install.sh cpu-vllm), three clients, two rounds,
 a held-out evaluation. Skipped where vLLM cannot run."""
 
 import json
@@ -14,7 +14,7 @@ from fedopd.rollout.vllm_engine import torch_dtype_name, vllm_platform
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install_vllm.sh cpu installs its CPU build)"),
+    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install.sh cpu-vllm installs its CPU build)"),
 ]
 
 

