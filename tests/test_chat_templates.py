@@ -3,6 +3,8 @@
 (tests/model_fixtures.py cites each). The expected renderings below are read off the templates by
 hand; token positions are those of the hand-written text under the sandbox tokenizer."""
 
+import logging
+
 import pytest
 
 from fedopd.core.errors import ModelLoadError
@@ -84,6 +86,25 @@ def test_a_different_default_system_message_is_a_warning_naming_the_first_differ
     assert f"the same generation prompt ({QWEN25_GENERATION!r})" in result.message
 
 
+def test_a_date_line_one_day_apart_is_found_by_the_ids_not_by_the_length(model_copies):
+    """The Qwen2.5-7B-Instruct template with its default system message replaced by the date lines
+    of Llama-3.1-8B-Instruct's template ("Cutting Knowledge Date: December 2023", "Today Date: "
+    + date_string; huggingface.js e2e.test.js): two days give prompts of one length."""
+    student, teacher = _files(model_copies, "qwen2.5-instruct-student"), _files(model_copies, "qwen2.5-instruct-student")
+    default = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    texts = {}
+    for files, day in ((student, "26"), (teacher, "27")):
+        line = f"Cutting Knowledge Date: December 2023\\nToday Date: {day} Jul 2024"
+        files.tokenizer.chat_template = files.tokenizer.chat_template.replace(default, line)
+        texts[day] = _ids(
+            files, f"<|im_start|>system\nCutting Knowledge Date: December 2023\nToday Date: {day} Jul 2024<|im_end|>\n" + USER + QWEN25_GENERATION
+        )
+    assert len(texts["26"]) == len(texts["27"])  # what a length comparison would call equal
+    position = next(i for i, (a, b) in enumerate(zip(texts["26"], texts["27"])) if a != b)
+    result = compare_chat_templates(student, teacher, [PROBLEM])
+    assert result.status == WARN and f"first difference at token {position} of {len(texts['26'])} / {len(texts['27'])}" in result.message
+
+
 def test_a_student_without_a_chat_template_is_refused_and_a_teacher_without_one_is_a_warning(model_copies):
     plain = _files(model_copies, "no-template-teacher")
     with pytest.raises(ModelLoadError, match=r"student '.*no-template-teacher' has no chat template"):
@@ -116,3 +137,50 @@ def test_a_template_that_raises_without_the_generation_prompt_is_compared_by_the
     else:
         teacher = _files(model_copies, teacher_generation)
     assert compare_chat_templates(student, teacher, [PROBLEM]).status == status
+
+
+ONE_ROUND = {
+    "num-server-rounds": 1,
+    "eval.every": 0,
+    "data.prompts-per-client": 16,
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 48,
+    "cache.rollouts": 2,
+}
+
+
+def test_the_serverapp_refuses_a_qwen3_teacher_for_a_qwen25_student_before_round_1(model_copies, tmp_path):
+    from server_app.inprocess import run_in_process
+
+    with pytest.raises(ModelLoadError, match=r"qwen2\.5-instruct-student' and teacher '.*qwen3-teacher'.*<think>"):
+        run_in_process(
+            {
+                **ONE_ROUND,
+                "output-dir": str(tmp_path / "runs"),
+                "model.student": model_copies["qwen2.5-instruct-student"],
+                "model.teacher": model_copies["qwen3-teacher"],
+            }
+        )
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_the_serverapp_logs_a_system_message_difference_once_and_goes_on(model_copies, tmp_path, monkeypatch, caplog):
+    """Stopped at the next check (check_positions) so that no round runs: the warning came before it."""
+    from server_app import app
+    from server_app.inprocess import run_in_process
+
+    def reached(cfg):
+        raise RuntimeError("reached check_positions")
+
+    monkeypatch.setattr(app, "check_positions", reached)
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="reached check_positions"):
+        run_in_process(
+            {
+                **ONE_ROUND,
+                "output-dir": str(tmp_path / "runs"),
+                "model.student": model_copies["qwen2.5-instruct-student"],
+                "model.teacher": model_copies["qwen2.5-math-teacher"],
+            }
+        )
+    warnings = [r for r in caplog.records if "before the generation prompt" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
