@@ -23,6 +23,8 @@ from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server
 from fedopd.core.procinfo import rss_mb
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
 from fedopd.models.lora import from_record
+from fedopd.models.templates import WARN as TEMPLATES_WARN
+from fedopd.models.templates import run_chat_templates
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
@@ -198,6 +200,16 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
     log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
+    # The teacher scores the student's rendering of each prompt: a teacher template that starts the
+    # response elsewhere stops the run here, one that differs only before it is logged once.
+    # Fixed problems (fedopd.models.templates.PROBLEMS): the clients load the run's own.
+    try:
+        templates = run_chat_templates(cfg.model.student, cfg.model.teacher)
+    except ModelLoadError as err:
+        log(ERROR, "FedTOPS: the model pair cannot be distilled as configured, nothing was run or written: %s", err)
+        raise
+    if templates.status == TEMPLATES_WARN:
+        log(WARNING, "%s", templates.message)
     check_positions(cfg)
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)

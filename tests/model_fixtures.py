@@ -15,6 +15,25 @@ The weights and the vocabulary are the sandbox's (ids: 0 ``<|endoftext|>``, 1 ``
   ``eos_token_id`` [151645, 151643], ``temperature`` 0.6, ``top_k`` 20, ``top_p`` 0.95).
 - ``instruct-student``: the student with those sampling defaults in its generation config.
 - ``other-vocab-teacher``: the teacher with two tokens' ids swapped (a different vocabulary).
+
+Real chat templates on the sandbox models (``tests/chat_templates/``, written to the copy's
+``chat_template.jinja``, which transformers reads before ``tokenizer_config.json``'s
+``chat_template``). The sandbox vocabulary has ``<|im_start|>``, ``<|im_end|>``,
+``<|endoftext|>``, ``<think>`` and ``</think>`` as single tokens; other text is byte tokens.
+
+- ``qwen2.5-instruct-student``: Qwen/Qwen2.5-7B-Instruct's template (no ``enable_thinking``; a
+  default system message "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+  when the conversation has none). Copied from huggingface/huggingface.js
+  ``packages/jinja/test/e2e.test.js``, entry "Qwen/Qwen2.5-7B-Instruct" (commit fe42e68).
+- ``qwen2.5-math-teacher``: Qwen/Qwen2.5-Math-1.5B's template: the Qwen2.5-7B-Instruct template
+  line for line with the default system message "Please reason step by step, and put your final
+  answer within \\boxed{}." instead, as ``AutoTokenizer.from_pretrained("Qwen/Qwen2.5-Math-1.5B")
+  .chat_template`` prints it in a public notebook found by code search (a DeepMath-103K SFT
+  notebook); written as that replacement of the Instruct file.
+- ``qwen3-teacher`` / ``qwen3-student``: Qwen/Qwen3-0.6B's template (with ``enable_thinking=False``
+  the generation prompt is ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``; no default
+  system message). Copied from the same huggingface.js file, entry "Qwen/Qwen3-0.6B".
+- ``no-template-teacher``: the teacher without a chat template.
 """
 
 from __future__ import annotations
@@ -80,12 +99,50 @@ def other_vocab_teacher(dest: Path) -> Path:
     return path
 
 
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def _with_template(source: str, dest: Path, template: str | None) -> Path:
+    """A sandbox model whose chat template is ``tests/chat_templates/<template>.jinja`` (None: none)."""
+    path = _copy(source, dest)
+    if template is None:
+        (path / "chat_template.jinja").unlink()
+    else:
+        shutil.copyfile(CHAT_TEMPLATES / f"{template}.jinja", path / "chat_template.jinja")
+    return path
+
+
+def qwen25_instruct_student(dest: Path) -> Path:
+    return _with_template("sandbox-student", dest, "qwen2.5-7b-instruct")
+
+
+def qwen25_math_teacher(dest: Path) -> Path:
+    return _with_template("sandbox-teacher", dest, "qwen2.5-math-1.5b")
+
+
+def qwen3_teacher(dest: Path) -> Path:
+    return _with_template("sandbox-teacher", dest, "qwen3-0.6b")
+
+
+def qwen3_student(dest: Path) -> Path:
+    return _with_template("sandbox-student", dest, "qwen3-0.6b")
+
+
+def no_template_teacher(dest: Path) -> Path:
+    return _with_template("sandbox-teacher", dest, None)
+
+
 BUILDERS = {
     "base-student": base_student,
     "qwen3-base-student": qwen3_base_student,
     "instruct-teacher": instruct_teacher,
     "instruct-student": instruct_student,
     "other-vocab-teacher": other_vocab_teacher,
+    "qwen2.5-instruct-student": qwen25_instruct_student,
+    "qwen2.5-math-teacher": qwen25_math_teacher,
+    "qwen3-teacher": qwen3_teacher,
+    "qwen3-student": qwen3_student,
+    "no-template-teacher": no_template_teacher,
 }
 
 
