@@ -124,3 +124,16 @@ def test_packed_micro_batches_are_refused_where_the_versions_would_leak(model_co
     monkeypatch.setattr("torch.__version__", "2.5.1")
     [row] = _failures(run_checks(_pair(model_copies, **{"train.packing": "packed"})))
     assert row.check == "packing" and "transformers 4.57.6, torch 2.5.1 does not isolate packed rows" in row.detail
+
+
+def test_a_qwen25_instruct_student_with_a_qwen3_teacher_fails_on_the_template_pair_row(model_copies):
+    """Qwen3's non-thinking generation prompt ends with an empty think block that Qwen2.5's has not
+    (the real templates, tests/chat_templates/): the one failing row is the template pair's."""
+    overrides = {"model.student": model_copies["qwen2.5-instruct-student"], "model.teacher": model_copies["qwen3-teacher"]}
+    [row] = _failures(run_checks(overrides))
+    assert row.check == "template pair" and "<think>" in row.detail
+
+
+def test_the_sandbox_pair_renders_the_same_ids_on_the_template_pair_row():
+    rows = {r.check: r for r in run_checks({}).rows}
+    assert rows["template pair"].status == OK and "render the training prompt to the same ids" in rows["template pair"].detail
