@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -168,6 +169,8 @@ def _tiny_run(out: Path, env: dict[str, str], rounds: int, nodes: int, **keys) -
                 folder = run_server(InProcessGrid(app, cfg.to_run_config(), nodes), cfg)
         finally:
             flwr_logger.removeHandler(capture)
+            if "wandb" in sys.modules:  # W&B reads its variables once per process, at setup: the next run's anew
+                sys.modules["wandb"].teardown()
     return folder, capture.records
 
 
@@ -257,10 +260,15 @@ def test_a_tracker_that_raises_mid_run_is_warned_about_once_and_dropped_and_the_
 
 
 @pytest.mark.slow
-def test_nothing_is_tracked_with_the_keys_false(tmp_path):
-    pytest.importorskip("mlflow")
+def test_nothing_is_tracked_with_the_keys_false(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    mlflow = pytest.importorskip("mlflow")
+    started = []
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: started.append("wandb") or pytest.fail("wandb.init called"))
+    monkeypatch.setattr(mlflow, "MlflowClient", lambda *a, **k: started.append("mlflow") or pytest.fail("MlflowClient created"))
     env = _env(tmp_path)
     folder, _ = _tiny_run(tmp_path, env, 1, 1, **{"strategy.name": "fedavg"})
+    assert started == []
     assert json.loads((folder / "status.json").read_text())["status"] == "completed"
     assert list((tmp_path / "wandb").iterdir()) == []
     assert not (tmp_path / "mlflow.db").exists()
