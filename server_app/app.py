@@ -11,6 +11,7 @@ reply is in the run folder's ``client-errors.log``.
 
 from __future__ import annotations
 
+import json
 import time
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -35,8 +36,9 @@ from server_app.error_lines import reason_line
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
 from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
-from server_app.progress import FIGURE, TensorBoardLog, draw, run_summary, run_title
-from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config
+from server_app.progress import FIGURE, draw, run_summary, run_title
+from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config, read_status
+from server_app.tracking import Trackers, run_trackers
 from server_app.traffic import round_communication
 
 app = ServerApp()
@@ -233,8 +235,11 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
     run.write_status("running", done)
+    # logging.tensorboard / wandb / mlflow: the config now, each round's scalars, the final status
+    trackers = run_trackers(cfg, run.path)
+    trackers.log_config(json.loads((run.path / "config.json").read_text()))
     try:
-        return _run_rounds(grid, cfg, strategy, run, done, arrays)
+        return _run_rounds(grid, cfg, strategy, run, done, arrays, trackers)
     except RunFailed as err:
         log(ERROR, "FedTOPS run failed: %s", err)
         run.write_status("failed", error=str(err))
@@ -246,6 +251,16 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     except BaseException as err:
         run.write_status("failed", error=f"{type(err).__name__}: {err}")
         raise
+    finally:
+        trackers.close(_final_status(run))
+
+
+def _final_status(run: RunFolder) -> str:
+    """The status the run ended with (``status.json``), for the trackers; unreadable: ``failed``."""
+    try:
+        return str(read_status(run.path).get("status", "failed"))
+    except (OSError, ValueError):
+        return "failed"
 
 
 def check_data(cfg: RunConfig, num_partitions: int, scoring_cache: str = "round") -> None:
@@ -302,12 +317,11 @@ def check_positions(cfg: RunConfig) -> None:
         raise
 
 
-def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays) -> Path:
+def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
     started_run = time.perf_counter()
     supports = capabilities(cfg.strategy.name)
     per_client = supports.per_client_adapters
     title = run_title(cfg.to_run_config())
-    tensorboard = TensorBoardLog(run.path / "tensorboard") if cfg.logging.tensorboard else None
 
     def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True, traffic: dict | None = None):
         """Save the round's adapters, evaluate on the held-out prompts when due, write the record
@@ -350,8 +364,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             run.append_round(record)
             run.write_status("running", server_round)
             log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
-            if tensorboard is not None:
-                tensorboard.add(record)
+            trackers.log_round(record)
             try:
                 draw(read_rounds(run.path), run.path / FIGURE, title)
             except Exception as err:  # noqa: BLE001 - a figure must never stop a run
@@ -387,7 +400,7 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         if stop is not None:
             log(WARNING, "FedTOPS run stopped on its privacy budget: %s", stop)
             run.write_status("budget-spent", server_round - 1, error=stop)
-            _finish(run, cfg, tensorboard, started_run)
+            _finish(run, cfg, started_run)
             return run.path
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
         config = ConfigRecord({"run-dir": str(run.path.resolve())})
@@ -423,14 +436,12 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         if failure is not None:
             raise failure
     run.write_status("completed", cfg.num_server_rounds)
-    _finish(run, cfg, tensorboard, started_run)
+    _finish(run, cfg, started_run)
     return run.path
 
 
-def _finish(run: RunFolder, cfg: RunConfig, tensorboard, started_run: float) -> None:
-    """Close the run's logs and print its summary (a run that completed or spent its budget)."""
-    if tensorboard is not None:
-        tensorboard.close()
+def _finish(run: RunFolder, cfg: RunConfig, started_run: float) -> None:
+    """Print the run's summary (a run that completed or spent its budget)."""
     for line in run_summary(read_rounds(run.path), cfg.strategy.name, run.path.resolve(), time.perf_counter() - started_run):
         log(INFO, "%s", line)
     log(INFO, "FedTOPS run finished: %s", run.path.resolve())

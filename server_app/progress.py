@@ -1,4 +1,5 @@
 """What a run shows while it runs: the per-round figure, TensorBoard scalars, the end-of-run summary.
+(W&B and MLflow get the same scalars: :mod:`server_app.tracking`.)
 
 All of it is read from the round records (``rounds.jsonl``), so the same functions serve a
 finished run folder: ``python -m server_app.progress RUN_FOLDER`` redraws its figure.
@@ -164,19 +165,23 @@ def run_title(config: Mapping[str, Any]) -> str:
 
 
 class TensorBoardLog:
-    """The same scalars as the figure, one TensorBoard step per round, in ``<run>/tensorboard``."""
+    """The same scalars as the figure, one TensorBoard step per round, in ``<run>/tensorboard``
+    (a :class:`server_app.tracking.Tracker`; the config and the status are in the run folder)."""
 
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' extra
 
         self.writer = SummaryWriter(log_dir=str(folder))
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        pass
+
+    def log_round(self, record: Mapping[str, Any]) -> None:
         for key, value in round_scalars(record).items():
             self.writer.add_scalar(key, value, global_step=int(record["round"]))
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "") -> None:
         self.writer.close()
 
 

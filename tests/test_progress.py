@@ -81,7 +81,7 @@ def test_tensorboard_gets_the_same_scalars_one_step_per_round(tmp_path):
 
     tb = TensorBoardLog(tmp_path / "tb")
     for record in RECORDS:
-        tb.add(record)
+        tb.log_round(record)
     tb.close()
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

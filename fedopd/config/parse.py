@@ -336,12 +336,21 @@ def _check_privacy(cfg: RunConfig) -> None:
         )
 
 
+# (run-config key, the module it imports, the pyproject extra that installs it)
+TRACKER_PACKAGES = (
+    ("logging.tensorboard", "tensorboard", "tensorboard"),
+    ("logging.wandb", "wandb", "wandb"),
+    ("logging.mlflow", "mlflow", "mlflow"),
+)
+
+
 def check_server_requirements(cfg: RunConfig) -> None:
     """What the ServerApp's host needs beyond the core install, checked before round 1."""
     import importlib.util
 
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "run config 'logging.tensorboard' = true needs the tensorboard package on the ServerApp's host; "
-            "allowed: false, or install it with pip install -e '.[tensorboard]'"
-        )
+    for key, module, extra in TRACKER_PACKAGES:
+        if getattr(cfg.logging, key.split(".", 1)[1]) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"run config '{key}' = true needs the {module} package on the ServerApp's host; "
+                f"allowed: false, or install it with pip install -e '.[{extra}]'"
+            )

@@ -172,6 +172,8 @@ class TimeoutSettings:
 @dataclass(frozen=True)
 class LoggingSettings:
     tensorboard: bool = False  # also write the per-round scalars to <run folder>/tensorboard
+    wandb: bool = False  # also send them, the config and the final status to Weights & Biases (WANDB_* env vars)
+    mlflow: bool = False  # also send them, the config and the final status to MLflow (MLFLOW_* env vars)
 
 
 @dataclass(frozen=True)
@@ -365,6 +367,8 @@ _key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
 _key("timeout.start", "timeout.start", _float(0.0, strict=True))
 _key("timeout.skip-after", "timeout.skip_after", _int(0))
 _key("logging.tensorboard", "logging.tensorboard", _bool())
+_key("logging.wandb", "logging.wandb", _bool())
+_key("logging.mlflow", "logging.mlflow", _bool())
 _key("privacy.clipping", "privacy.clipping", _choice(PRIVACY_CLIPPING))
 _key("privacy.side", "privacy.side", _choice(PRIVACY_SIDES))
 _key("privacy.clip-norm", "privacy.clip_norm", _float(0.0, strict=True))
@@ -391,6 +395,8 @@ RESUME_FREE_KEYS = (
     "timeout.evaluate",
     "timeout.start",
     "logging.tensorboard",
+    "logging.wandb",
+    "logging.mlflow",
     "privacy.max-epsilon",  # a resumed run may get more (or less) budget: the journal keeps what was spent
 )
 
