@@ -3,9 +3,13 @@
 (tests/model_fixtures.py cites each). The expected renderings below are read off the templates by
 hand; token positions are those of the hand-written text under the sandbox tokenizer."""
 
+import json
 import logging
+import string
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedopd.core.errors import ModelLoadError
 from fedopd.data.prompts import INSTRUCTION, render_prompt
@@ -184,3 +188,83 @@ def test_the_serverapp_logs_a_system_message_difference_once_and_goes_on(model_c
         )
     warnings = [r for r in caplog.records if "before the generation prompt" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated templates: a model's files come from another party (a hub, a colleague's folder)
+# ---------------------------------------------------------------------------------------------
+
+GENERATED = settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Text the sandbox tokenizer encodes and decodes without loss (so that two different strings are
+# two different id sequences), jinja's and the templates' own markers included.
+SAFE = st.text(alphabet=string.ascii_letters + string.digits + " .,:;!?+-*/=()\n{}%#'\"\\", max_size=24)
+
+
+def _literal(text: str) -> str:
+    """``text`` as a jinja string expression."""
+    return "{{- " + json.dumps(text) + " }}"
+
+
+def _template(preamble: str, generation: str) -> str:
+    """A ChatML template with ``preamble`` before the conversation and ``generation`` as its
+    generation prompt, written as a hub template is (jinja over ``messages``)."""
+    return (
+        _literal(preamble)
+        + "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        + "{%- if add_generation_prompt %}"
+        + _literal("<|im_start|>assistant\n" + generation)
+        + "{%- endif %}"
+    )
+
+
+@pytest.fixture(scope="module")
+def sandbox_pair():
+    pair = ModelFiles.load("builtin:sandbox-student"), ModelFiles.load("builtin:sandbox-teacher")
+    templates = [files.tokenizer.chat_template for files in pair]
+    yield pair
+    for files, template in zip(pair, templates):  # put back what the examples replaced
+        files.tokenizer.chat_template = template
+
+
+def _with(files, template):
+    files.tokenizer.chat_template = template
+    return files
+
+
+@GENERATED
+@given(preamble=SAFE, generation=SAFE)
+def test_one_generated_template_on_both_sides_is_ok(sandbox_pair, preamble, generation):
+    student, teacher = sandbox_pair
+    template = _template(preamble, generation)
+    assert compare_chat_templates(_with(student, template), _with(teacher, template), [PROBLEM]).status == OK
+
+
+@GENERATED
+@given(preambles=st.lists(SAFE, min_size=2, max_size=2, unique=True), generation=SAFE)
+def test_generated_templates_that_differ_only_before_the_generation_prompt_warn(sandbox_pair, preambles, generation):
+    student, teacher = sandbox_pair
+    result = compare_chat_templates(
+        _with(student, _template(preambles[0], generation)), _with(teacher, _template(preambles[1], generation)), [PROBLEM]
+    )
+    assert result.status == WARN, result.message
+
+
+@GENERATED
+@given(preamble=SAFE, generations=st.lists(SAFE, min_size=2, max_size=2, unique=True))
+def test_generated_templates_whose_generation_prompts_differ_are_refused(sandbox_pair, preamble, generations):
+    student, teacher = sandbox_pair
+    result = compare_chat_templates(
+        _with(student, _template(preamble, generations[0])), _with(teacher, _template(preamble, generations[1])), [PROBLEM]
+    )
+    assert result.status == FAIL, result.message
+
+
+@GENERATED
+@given(student_template=st.text(max_size=80), teacher_template=st.text(max_size=80))
+def test_any_template_text_gives_a_result_and_never_raises(sandbox_pair, student_template, teacher_template):
+    """Broken jinja, templates that raise, render nothing or render control characters: always a
+    status, and a message that is one line of printable text."""
+    student, teacher = sandbox_pair
+    result = compare_chat_templates(_with(student, student_template), _with(teacher, teacher_template), [PROBLEM])
+    assert result.status in (OK, WARN, FAIL)
+    assert "\n" not in result.message and result.message.isprintable(), result.message
