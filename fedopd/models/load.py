@@ -171,7 +171,7 @@ def load_causal_lm(name: str, *, dtype: str = "auto", device: torch.device | Non
     torch_dtype = resolve_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention_implementation(device))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention_implementation(device, torch_dtype))
     except OSError as err:
         raise ModelLoadError(f"could not load model '{name}' (resolved to '{path}'): {err}") from err
     model.to(device).eval()

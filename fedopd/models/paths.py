@@ -93,10 +93,12 @@ def flash_attention_status() -> tuple[bool, str]:
 _FLASH_WARNED: set[str] = set()
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 on a GPU when its compiled extension loads (:func:`flash_attention_status`),
-    else PyTorch SDPA; an installed flash-attn that does not load is warned about once, naming why."""
-    if device.type != "cuda":
+def attention_implementation(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """flash-attention 2 on a GPU in 16-bit (its kernels take fp16 and bf16 only) when its compiled
+    extension loads (:func:`flash_attention_status`), else PyTorch SDPA; an installed flash-attn
+    that does not load is warned about once, naming why. ``dtype`` None: the device's ``auto``."""
+    dtype = dtype if dtype is not None else resolve_dtype("auto", device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return "sdpa"
     usable, why = flash_attention_status()
     if usable:
