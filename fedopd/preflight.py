@@ -8,7 +8,7 @@ safetensors headers. It checks, in order:
 3. that the pair is compatible (one vocabulary; logit rows cover the tokenizer);
 4. that the chat template renders the paper's prompt with ``enable_thinking=False`` and that the
    token ending an assistant turn is in the stop set; that the teacher's template renders the
-   prompt as the student's does (:mod:`fedopd.models.templates`: a different generation prompt fails);
+   prompt as the student's does (:mod:`fedopd.engine.templates`: a different generation prompt fails);
 5. the resolved stop set (``rollout.stop-tokens``);
 6. how many prompts per client survive the ``data.max-prompt-tokens`` filter, and whether the
    longest prompt plus the longest response fits both models' positions (:mod:`fedopd.models.positions`);
@@ -378,7 +378,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
     _guard(report, "chat template", template)
 
     def templates():
-        from fedopd.models.templates import compare_chat_templates
+        from fedopd.engine.templates import compare_chat_templates
 
         check = compare_chat_templates(student, teacher)
         report.add("template pair", check.status, check.message)

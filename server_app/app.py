@@ -24,8 +24,8 @@ from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server
 from fedopd.core.procinfo import rss_mb
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
 from fedopd.models.lora import from_record
-from fedopd.models.templates import WARN as TEMPLATES_WARN
-from fedopd.models.templates import run_chat_templates
+from fedopd.engine.templates import WARN as TEMPLATES_WARN
+from fedopd.engine.templates import run_chat_templates
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
@@ -204,7 +204,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     log(INFO, "rollouts stop at %s (ids %s)", list(stop.tokens), list(stop.ids))
     # The teacher scores the student's rendering of each prompt: a teacher template that starts the
     # response elsewhere stops the run here, one that differs only before it is logged once.
-    # Fixed problems (fedopd.models.templates.PROBLEMS): the clients load the run's own.
+    # Fixed problems (fedopd.engine.templates.PROBLEMS): the clients load the run's own.
     try:
         templates = run_chat_templates(cfg.model.student, cfg.model.teacher)
     except ModelLoadError as err:

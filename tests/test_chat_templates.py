@@ -1,5 +1,5 @@
 """The student's and the teacher's chat templates render the training prompt alike
-(fedopd.models.templates), on sandbox-model copies carrying real checkpoints' chat templates
+(fedopd.engine.templates), on sandbox-model copies carrying real checkpoints' chat templates
 (tests/model_fixtures.py cites each). The expected renderings below are read off the templates by
 hand; token positions are those of the hand-written text under the sandbox tokenizer."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fedopd.core.errors import ModelLoadError
 from fedopd.data.prompts import INSTRUCTION, render_prompt
-from fedopd.models.templates import FAIL, OK, WARN, check_chat_templates, compare_chat_templates
+from fedopd.engine.templates import FAIL, OK, WARN, check_chat_templates, compare_chat_templates
 from fedopd.models.vocab import ModelFiles
 
 PROBLEM = "What is 2 + 3?"
