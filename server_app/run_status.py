@@ -17,6 +17,7 @@ which case no run folder is announced and this exits 1 with a hint.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -47,8 +48,12 @@ def folder_status(folder: Path) -> tuple[int, str]:
 def run_checked(flwr_args: list[str]) -> int:
     args = list(flwr_args) if "--stream" in flwr_args else [*flwr_args, "--stream"]
     folder, run_id = None, None
-    flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")  # the environment's own
-    with subprocess.Popen([flwr, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    # This interpreter's environment first, for flwr and for the flower-superlink that flwr starts
+    # from PATH: an environment used without activating it (.venv/bin/python -m ...) is still the one run.
+    here = Path(sys.executable).parent
+    flwr = str(here / "flwr") if (here / "flwr").exists() else shutil.which("flwr") or "flwr"
+    env = {**os.environ, "PATH": os.pathsep.join([str(here), os.environ.get("PATH", "")])}
+    with subprocess.Popen([flwr, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
