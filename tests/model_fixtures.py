@@ -43,6 +43,15 @@ import shutil
 from pathlib import Path
 
 ENDOFTEXT, IM_START, IM_END = 0, 1, 2
+# A run of one short round without evaluation: enough to reach a pair's checks and its first round.
+ONE_ROUND = {
+    "num-server-rounds": 1,
+    "eval.every": 0,
+    "data.prompts-per-client": 16,
+    "rollout.per-round": 8,
+    "rollout.max-new-tokens": 48,
+    "cache.rollouts": 2,
+}
 QWEN3_INSTRUCT_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
 

@@ -10,6 +10,7 @@ import string
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from model_fixtures import ONE_ROUND
 
 from fedopd.core.errors import ModelLoadError
 from fedopd.data.prompts import INSTRUCTION, render_prompt
@@ -141,16 +142,6 @@ def test_a_template_that_raises_without_the_generation_prompt_is_compared_by_the
     else:
         teacher = _files(model_copies, teacher_generation)
     assert compare_chat_templates(student, teacher, [PROBLEM]).status == status
-
-
-ONE_ROUND = {
-    "num-server-rounds": 1,
-    "eval.every": 0,
-    "data.prompts-per-client": 16,
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 48,
-    "cache.rollouts": 2,
-}
 
 
 def test_the_serverapp_refuses_a_qwen3_teacher_for_a_qwen25_student_before_round_1(model_copies, tmp_path):

@@ -5,7 +5,7 @@ copy mirrors)."""
 import logging
 
 import pytest
-from model_fixtures import ENDOFTEXT, IM_END
+from model_fixtures import ENDOFTEXT, IM_END, ONE_ROUND
 
 from fedopd.config import LoraSettings
 from fedopd.core.errors import ModelLoadError
@@ -135,16 +135,6 @@ def test_eval_run_stops_where_training_stops_when_given_the_teacher(model_copies
     assert evaluation_stop_tokens(model_copies["base-student"], model_copies["instruct-teacher"], "auto").ids == (ENDOFTEXT, IM_END)
     assert evaluation_stop_tokens(model_copies["base-student"], None, "auto").ids == (ENDOFTEXT,)
     assert evaluation_stop_tokens(model_copies["base-student"], None, "<|im_end|>").ids == (IM_END,)
-
-
-ONE_ROUND = {
-    "num-server-rounds": 1,
-    "eval.every": 0,
-    "data.prompts-per-client": 16,
-    "rollout.per-round": 8,
-    "rollout.max-new-tokens": 48,
-    "cache.rollouts": 2,
-}
 
 
 def test_a_run_of_the_base_instruct_pair_records_its_resolved_stop_set_in_config_json(model_copies, tmp_path):
