@@ -22,10 +22,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements, parse_run_config
 from fedopd.core.procinfo import rss_mb
-from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
-from fedopd.models.lora import from_record
 from fedopd.engine.templates import WARN as TEMPLATES_WARN
 from fedopd.engine.templates import run_chat_templates
+from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
+from fedopd.models.lora import from_record
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
