@@ -117,15 +117,21 @@ class Trackers:
 
     def __init__(self, trackers: Mapping[str, Tracker] | None = None) -> None:
         self.active: dict[str, Tracker] = dict(trackers or {})  # by run-config key
+        self.dropped: dict[str, Tracker] = {}  # raised once: still closed with the run's final status
 
     def _each(self, method: str, *args: Any) -> None:
         for key, tracker in list(self.active.items()):
             try:
                 getattr(tracker, method)(*args)
             except Exception as err:  # noqa: BLE001 - tracking must never stop a run
-                del self.active[key]
+                self.dropped[key] = self.active.pop(key)
                 log(
-                    WARNING, "run config '%s' = true: its %s failed, %s: %s; it is off for the rest of this run", key, method, type(err).__name__, err
+                    WARNING,
+                    "run config '%s' = true: its %s failed, %s: %s; it is off for the rest of this run",
+                    key,
+                    method,
+                    type(err).__name__,
+                    error_text(err),
                 )
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -135,8 +141,30 @@ class Trackers:
         self._each("log_round", record)
 
     def close(self, status: str) -> None:
+        """Every tracker's final status, those dropped after an error included (best effort: a run
+        left RUNNING in MLflow after one failed upload would say nothing of how the run ended)."""
         self._each("close", status)
+        for key, tracker in self.dropped.items():
+            if key in self.active or not hasattr(tracker, "close"):
+                continue
+            try:
+                tracker.close(status)
+            except Exception:  # noqa: BLE001 - it failed already and was reported then
+                pass
         self.active.clear()
+        self.dropped.clear()
+
+
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+
+
+def error_text(err: BaseException) -> str:
+    """A tracker's error as one escaped line of at most 500 characters, with any credentials of a
+    URL (``https://user:token@host``, as MLflow's messages repeat ``MLFLOW_TRACKING_URI``) replaced
+    by ``***``."""
+    from fedtops_strategy.text import escape
+
+    return escape(_USERINFO.sub(r"\1***@", str(err)), 500)
 
 
 # run-config key -> (what it is, where its destination is set), for the messages
@@ -165,7 +193,7 @@ def open_trackers(enabled: Mapping[str, bool], run_path: Path, factories: Mappin
                 key,
                 what,
                 type(err).__name__,
-                err,
+                error_text(err),
                 where,
             )
     return Trackers(trackers)

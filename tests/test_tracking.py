@@ -314,7 +314,7 @@ def test_a_tracker_that_raises_is_dropped_with_one_warning_and_the_others_go_on(
     for n in (1, 2, 3):
         trackers.log_round({"round": n})
     trackers.close("completed")
-    assert bad.calls == [("log_config", {"seed": 1}), ("log_round", 1)]
+    assert bad.calls == [("log_config", {"seed": 1}), ("log_round", 1), ("close", "completed")]  # closed with the final status
     assert good.calls == [("log_config", {"seed": 1}), ("log_round", 1), ("log_round", 2), ("log_round", 3), ("close", "completed")]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["run config 'logging.wandb' = true: its log_round failed, OSError: log_round failed; it is off for the rest of this run"]
@@ -373,3 +373,32 @@ def test_mlflow_metric_names_keep_the_scalar_names_and_spell_out_at():
     assert mlflow_name("heldout/avg@8") == "heldout/avg_at_8"
     for name in ("heldout/avg@8", "heldout/pass@16", "comm/sent_mb", "privacy/epsilon"):
         _validate_metric_name(mlflow_name(name))  # raises on a name MLflow refuses
+
+
+def test_a_trackers_error_is_one_line_without_the_urls_credentials(caplog):
+    """MLflow repeats MLFLOW_TRACKING_URI in its errors; a token in it must not reach the log."""
+    from server_app.tracking import Trackers
+
+    caplog = _flwr_caplog(caplog)
+
+    class Leaky:
+        def log_round(self, record):
+            raise ConnectionError("API request to http://alice:s3cr3t-token@10.0.0.9:5000/api/2.0/mlflow/runs/log-batch failed\nINFO forged")
+
+    Trackers({"logging.mlflow": Leaky()}).log_round({"round": 1})
+    [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "s3cr3t" not in line and "alice" not in line and "http://***@10.0.0.9:5000/api" in line
+    assert "\n" not in line and "\\nINFO forged" in line
+
+
+def test_wandb_and_mlflow_are_refused_in_a_private_run_and_tensorboard_is_not():
+    """Their rounds carry client losses, held-out accuracy and timings, which the privacy guarantee
+    does not cover (docs/privacy.md), to a third-party service."""
+    from fedopd.config import ConfigError, parse_run_config
+    from fedopd.config.presets import app_defaults
+
+    private = {**app_defaults(), "num-clients": 3, "privacy.clipping": "fixed"}
+    for key in ("logging.wandb", "logging.mlflow"):
+        with pytest.raises(ConfigError, match=rf"run config '{key}' = true with 'privacy.clipping' = 'fixed' would send"):
+            parse_run_config({**private, key: True})
+    assert parse_run_config({**private, "logging.tensorboard": True}).logging.tensorboard

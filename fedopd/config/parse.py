@@ -275,6 +275,14 @@ def _check_privacy(cfg: RunConfig) -> None:
         )
         return
     what = f"'privacy.clipping' = {p.clipping!r}"
+    for key in ("logging.wandb", "logging.mlflow"):
+        if getattr(cfg.logging, key.split(".", 1)[1]):
+            raise ConfigError(
+                f"run config '{key}' = true with {what} would send the round's diagnostics (client losses, held-out "
+                f"accuracy, timings, traffic), which the privacy guarantee does not cover, to a tracking service "
+                f"(docs/privacy.md: only published.jsonl and the adapters may be published); allowed: '{key}' = false "
+                f"(logging.tensorboard writes to the run folder, the curator's own records)"
+            )
     supports = capabilities(s.name)
     if not (supports.averages and supports.private):
         raise ConfigError(
