@@ -383,8 +383,8 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
         check = compare_chat_templates(student, teacher)
         report.add("template pair", check.status, check.message)
 
-    if "student" in files and "teacher" in files:
-        _guard(report, "template pair", templates)
+    if "student" in files and "teacher" in files and not any(r.check == "model pair" and r.status == FAIL for r in report.rows):
+        _guard(report, "template pair", templates)  # token ids compare only within one vocabulary
 
     clients = num_clients or cfg.num_clients or 3
 

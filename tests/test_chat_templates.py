@@ -130,7 +130,7 @@ NEEDS_GENERATION = (  # raises without add_generation_prompt, else renders as th
         (QWEN3_GENERATION, "qwen3-teacher", OK),
         (QWEN3_GENERATION, "qwen2.5-math-teacher", FAIL),  # the teacher's generation prompt is not at the end
         (QWEN25_GENERATION, "qwen2.5-math-teacher", WARN),  # it is: the system message alone differs
-        (QWEN25_GENERATION, None, FAIL),  # neither side separates one: any difference is refused
+        (QWEN25_GENERATION, None, WARN),  # neither separates one; the same text follows the user's message on both
     ],
 )
 def test_a_template_that_raises_without_the_generation_prompt_is_compared_by_the_other_sides(model_copies, generation, teacher_generation, status):
@@ -259,3 +259,24 @@ def test_any_template_text_gives_a_result_and_never_raises(sandbox_pair, student
     result = compare_chat_templates(_with(student, student_template), _with(teacher, teacher_template), [PROBLEM])
     assert result.status in (OK, WARN, FAIL)
     assert "\n" not in result.message and result.message.isprintable(), result.message
+
+
+def test_templates_that_ignore_add_generation_prompt_and_end_the_prompt_differently_are_refused(model_copies):
+    """A Mistral-style and an Alpaca-style template render nothing more with add_generation_prompt:
+    no generation prompt is separable, and the text after the user's message differs (review find)."""
+    student, teacher = _files(model_copies, "builtin:sandbox-student"), _files(model_copies, "builtin:sandbox-teacher")
+    student.tokenizer.chat_template = "{%- for m in messages %}{{- '[INST] ' + m['content'] + ' [/INST]' }}{%- endfor %}"
+    teacher.tokenizer.chat_template = "{%- for m in messages %}{{- 'User: ' + m['content'] + '\\nAssistant:' }}{%- endfor %}"
+    result = compare_chat_templates(student, teacher, [PROBLEM])
+    assert result.status == FAIL and "student ' [/INST]' vs teacher '\\nAssistant:'" in result.message
+
+
+def test_a_short_generation_prompt_that_ends_another_ending_too_is_refused(model_copies):
+    """The student's generation prompt is two newlines; the teacher (whose template raises without
+    the generation prompt) ends with Qwen3's think block, which also ends with two newlines."""
+    student, teacher = _files(model_copies, "builtin:sandbox-student"), _files(model_copies, "qwen3-teacher")
+    student.tokenizer.chat_template = (
+        "{%- for m in messages %}{{- 'Question: ' + m['content'] }}{%- endfor %}{%- if add_generation_prompt %}{{- '\\n\\n' }}{%- endif %}"
+    )
+    teacher.tokenizer.chat_template = "{%- if not add_generation_prompt %}{{ raise_exception('x') }}{%- endif %}" + teacher.tokenizer.chat_template
+    assert compare_chat_templates(student, teacher, [PROBLEM]).status == FAIL

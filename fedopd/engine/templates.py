@@ -17,9 +17,10 @@ problems with both templates exactly as ``render_prompt`` does (one user message
   block that Qwen2.5's does not): :data:`FAIL`, naming the differing tokens and the fix.
 
 The generation prompt is the text that rendering with ``add_generation_prompt=True`` adds to
-rendering without it. A template that raises without it, or whose two renderings do not extend one
-another, has no separable generation prompt; the other side's is then used, and when neither side
-has one any difference is a :data:`FAIL` (where the response starts cannot be told apart).
+rendering without it. A template that raises without it, adds nothing with it (one that ignores
+it, "[INST] ... [/INST]"), or whose two renderings do not extend one another, has no separable
+generation prompt; then the two renderings must have the same text after the user's message (its
+turn close and what follows), else :data:`FAIL`.
 
 A student without a chat template is a :data:`FAIL` (``render_prompt`` needs it); a teacher
 without one is a :data:`WARN`: it scores the student's rendering and there is nothing to compare
@@ -69,6 +70,7 @@ class _Rendering:
     ids: tuple[int, ...]  # the whole prompt, as encode_prompts tokenizes it
     generation: tuple[int, ...] | None  # the generation prompt's ids; None: not separable
     generation_text: str | None
+    tail: str | None = None  # the text after the user's message (turn close and generation prompt); None: not found
 
 
 def _messages(problem: str) -> list[dict]:
@@ -84,21 +86,25 @@ def _encode(tokenizer, text: str) -> tuple[int, ...]:
 def _render(tokenizer, problem: str) -> _Rendering:
     """The prompt as ``render_prompt`` renders it, and its generation prompt where separable.
     Raises what the template raises for the prompt itself."""
-    from fedopd.data.prompts import render_prompt
+    from fedopd.data.prompts import format_problem, render_prompt
 
     text = render_prompt(tokenizer, problem)
     ids = _encode(tokenizer, text)
+    content = format_problem(problem)
+    tail = text[text.rindex(content) + len(content) :] if content in text else None
     try:
         base = tokenizer.apply_chat_template(_messages(problem), tokenize=False, add_generation_prompt=False, enable_thinking=False)
     except Exception:  # noqa: BLE001 - a template that needs the generation prompt has no separable one
-        return _Rendering(ids, None, None)
-    if not isinstance(base, str) or not text.startswith(base):
-        return _Rendering(ids, None, None)
+        return _Rendering(ids, None, None, tail)
+    if not isinstance(base, str) or not text.startswith(base) or text == base:
+        # not a prefix, or no generation prompt at all (a template that ignores add_generation_prompt,
+        # e.g. "[INST] ... [/INST]"): where the response starts is not told apart from the rest
+        return _Rendering(ids, None, None, tail)
     suffix = text[len(base) :]
     base_ids = _encode(tokenizer, base)
     if ids[: len(base_ids)] == base_ids:
-        return _Rendering(ids, ids[len(base_ids) :], suffix)
-    return _Rendering(ids, _encode(tokenizer, suffix), suffix)  # a token spans the boundary: the suffix on its own
+        return _Rendering(ids, ids[len(base_ids) :], suffix, tail)
+    return _Rendering(ids, _encode(tokenizer, suffix), suffix, tail)  # a token spans the boundary: the suffix on its own
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -120,24 +126,32 @@ def _generation_differs(s: _Rendering, t: _Rendering) -> bool:
     """Whether the two renderings start the response differently."""
     if s.generation is not None and t.generation is not None:
         return s.generation != t.generation
-    known = s.generation if s.generation is not None else t.generation
-    if known is None:
-        return True
-    return tuple(s.ids[len(s.ids) - len(known) :]) != known or tuple(t.ids[len(t.ids) - len(known) :]) != known
+    # One side (or neither) separates its generation prompt: the response starts alike only if both
+    # renderings have the same text after the user's message (its turn close and generation prompt).
+    return s.tail is None or s.tail != t.tail
+
+
+def _short(text: str | None, limit: int = 120) -> str:
+    """A rendering's text for a message: its repr (control characters escaped), at most ``limit``
+    characters of it; "(not found)" for None."""
+    if text is None:
+        return "(not found)"
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _refusal(student: ModelFiles, teacher: ModelFiles, s: _Rendering, t: _Rendering) -> str:
     pair = f"student '{student.name}' and teacher '{teacher.name}'"
-    if s.generation is None and t.generation is None:
+    if s.generation is None or t.generation is None:
         i = _first_difference(s.ids, t.ids)
         return (
-            f"the chat templates of {pair} render the training prompt differently and neither separates its generation "
-            f"prompt (rendering without add_generation_prompt fails or does not prefix the prompt), so where the response "
-            f"starts cannot be compared; first difference at token {i} of {len(s.ids)} / {len(t.ids)}: student "
+            f"the chat templates of {pair} render the training prompt differently, and not both separate a generation "
+            f"prompt (rendering without add_generation_prompt fails, does not prefix the prompt, or adds nothing), so "
+            f"where the response starts is compared by the text after the user's message: student {_short(s.tail)} vs "
+            f"teacher {_short(t.tail)}; first difference at token {i} of {len(s.ids)} / {len(t.ids)}: student "
             f"{_window(student.tokenizer, s.ids, i)} vs teacher {_window(teacher.tokenizer, t.ids, i)}; {FIX}"
         )
-    sg = s.generation if s.generation is not None else s.ids[len(s.ids) - len(t.generation) :]
-    tg = t.generation if t.generation is not None else t.ids[len(t.ids) - len(s.generation) :]
+    sg, tg = s.generation, t.generation
     i = _first_difference(sg, tg)
     return (
         f"the chat templates of {pair} end the training prompt differently: with add_generation_prompt=True "
@@ -151,15 +165,17 @@ def _refusal(student: ModelFiles, teacher: ModelFiles, s: _Rendering, t: _Render
 
 def _warning(student: ModelFiles, teacher: ModelFiles, s: _Rendering, t: _Rendering, problem: int) -> str:
     i = _first_difference(s.ids, t.ids)
-    generation = s.generation if s.generation is not None else t.generation
+    if s.generation is not None and t.generation is not None:
+        same = f"the same generation prompt ({_short(student.tokenizer.decode(list(s.generation)))})"
+    else:
+        same = f"the same text after the user's message ({_short(s.tail)})"
     return (
         f"the chat templates of student '{student.name}' and teacher '{teacher.name}' render the training prompt "
-        f"differently before the generation prompt (e.g. a default system message or a date line): the teacher scores "
-        f"the student's prompt, which its own template renders otherwise; first difference at token {i} of "
+        f"differently before the generation prompt (e.g. a default system message, a date line, another turn close): "
+        f"the teacher scores the student's prompt, which its own template renders otherwise; first difference at token {i} of "
         f"{len(s.ids)} / {len(t.ids)} (problem {problem + 1}): student {_window(student.tokenizer, s.ids, i)} vs teacher "
-        f"{_window(teacher.tokenizer, t.ids, i)}. Both end with the same generation prompt "
-        f"({student.tokenizer.decode(list(generation))!r}), so responses start where the teacher's template starts them; "
-        f"to condition the teacher on its own prompt, {FIX}"
+        f"{_window(teacher.tokenizer, t.ids, i)}. Both end with {same}, so responses start where the teacher's "
+        f"template starts them; to condition the teacher on its own prompt, {FIX}"
     )
 
 
@@ -185,11 +201,13 @@ def compare_chat_templates(student: ModelFiles, teacher: ModelFiles, problems: S
         try:
             s = _render(student.tokenizer, problem)
         except Exception as err:  # noqa: BLE001 - any template error: the prompts cannot be rendered
-            return TemplateCheck(FAIL, f"the chat template of student '{student.name}' cannot render the training prompt: {err}")
+            return TemplateCheck(FAIL, f"the chat template of student '{student.name}' cannot render the training prompt: {_short(str(err), 300)}")
         try:
             t = _render(teacher.tokenizer, problem)
         except Exception as err:  # noqa: BLE001 - the teacher's template is only compared, never used
-            return TemplateCheck(WARN, f"the chat template of teacher '{teacher.name}' cannot render the training prompt ({err}): not compared")
+            return TemplateCheck(
+                WARN, f"the chat template of teacher '{teacher.name}' cannot render the training prompt ({_short(str(err), 300)}): not compared"
+            )
         if s.ids == t.ids:
             continue
         if _generation_differs(s, t):
