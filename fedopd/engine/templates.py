@@ -69,7 +69,6 @@ class TemplateCheck:
 class _Rendering:
     ids: tuple[int, ...]  # the whole prompt, as encode_prompts tokenizes it
     generation: tuple[int, ...] | None  # the generation prompt's ids; None: not separable
-    generation_text: str | None
     tail: str | None = None  # the text after the user's message (turn close and generation prompt); None: not found
 
 
@@ -95,16 +94,16 @@ def _render(tokenizer, problem: str) -> _Rendering:
     try:
         base = tokenizer.apply_chat_template(_messages(problem), tokenize=False, add_generation_prompt=False, enable_thinking=False)
     except Exception:  # noqa: BLE001 - a template that needs the generation prompt has no separable one
-        return _Rendering(ids, None, None, tail)
+        return _Rendering(ids, None, tail)
     if not isinstance(base, str) or not text.startswith(base) or text == base:
         # not a prefix, or no generation prompt at all (a template that ignores add_generation_prompt,
         # e.g. "[INST] ... [/INST]"): where the response starts is not told apart from the rest
-        return _Rendering(ids, None, None, tail)
+        return _Rendering(ids, None, tail)
     suffix = text[len(base) :]
     base_ids = _encode(tokenizer, base)
     if ids[: len(base_ids)] == base_ids:
-        return _Rendering(ids, ids[len(base_ids) :], suffix, tail)
-    return _Rendering(ids, _encode(tokenizer, suffix), suffix, tail)  # a token spans the boundary: the suffix on its own
+        return _Rendering(ids, ids[len(base_ids) :], tail)
+    return _Rendering(ids, _encode(tokenizer, suffix), tail)  # a token spans the boundary: the suffix on its own
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
