@@ -87,12 +87,13 @@ cleanup() {
   for pg in "${PGIDS[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
   # What the runtime started in sessions of its own (the SuperLink's flwr-serverapp, which may still
   # be writing its last lines) escapes the process groups; it names the work folder on its command line.
-  local sig pid left
+  local sig pid left cmd
   for sig in TERM KILL; do
     for _ in $(seq 50); do
       left=0
       for pid in $(pgrep -f -- "$WORK" 2>/dev/null || true); do
-        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'local-deployment.sh' && continue  # this script and its subshells
+        cmd=$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || continue  # gone since pgrep listed it
+        [[ "$cmd" == *local-deployment.sh* ]] && continue  # this script and its subshells
         left=1; kill "-$sig" "$pid" 2>/dev/null || true
       done
       ((left)) || break
@@ -206,6 +207,14 @@ else
     --ray-client-server-port "$(python "$TOOLS" free-port)" --dashboard-agent-listen-port "$(python "$TOOLS" free-port)" \
     --temp-dir "$RAY_TMP/0"
 fi
+# A client's resident worker refuses at once when nothing answers at its ray-address (it would
+# otherwise wait minutes in ray.init), so every Ray instance must answer before a SuperNode starts:
+# on a loaded host `ray start` takes well over the seconds a SuperNode needs to register.
+for ((i = 0; i < (NETNS ? NODES : 1); i++)); do
+  address="$(ray_address "$i")"
+  $(node_prefix "$i") python "$TOOLS" wait-port "${address%:*}" "${address##*:}" 180 \
+    || { echo "error: Ray instance $i did not answer at $address within 180 s; see $WORK/ray*.log" >&2; exit 1; }
+done
 
 declare -A NODE_PGID
 for ((i = 0; i < NODES; i++)); do
