@@ -528,12 +528,23 @@ class UpdatePrivacy:
         recorded = max((int((r.get("privacy") or {}).get("releases", 0)) for r in records), default=0)
         if len(entries) < recorded:
             raise ValueError(f"{journal} holds {len(entries)} release(s), but the round records count {recorded}: it was cut or replaced")
+        end_journal_lines(journal)  # the releases from here on, each on a line of its own
         for what, z in entries:
             self.ledger.events.append(Release(what, z))  # already journalled, and spent whatever the budget now says
         for record in records:
             p = record.get("privacy") or {}
             if p.get("next-clip-norm"):
                 self.clipping_norm = float(p["next-clip-norm"])
+
+
+def _release_line(line: str) -> tuple[str, float]:
+    """(label, noise multiplier) of one journal line; ValueError (or KeyError, TypeError,
+    AttributeError) when it is not a release."""
+    entry = json.loads(line)
+    z = float(entry["noise-multiplier"])
+    if not z >= 0:
+        raise ValueError(f"noise multiplier {z}")
+    return str(entry.get("release", "")), z
 
 
 def read_journal(path: Path) -> list[tuple[str, float]]:
@@ -546,13 +557,33 @@ def read_journal(path: Path) -> list[tuple[str, float]]:
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
-            z = float(entry["noise-multiplier"])
-            if not z >= 0:
-                raise ValueError(f"noise multiplier {z}")
-            out.append((str(entry.get("release", "")), z))
+            out.append(_release_line(line))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             if i == len(lines):  # no newline after it: the write was cut off
                 break
             raise ValueError(f"{path}, line {i}: not a privacy release ({err})") from None
     return out
+
+
+def end_journal_lines(path: Path) -> None:
+    """Make a journal whose last write was cut off end with a whole line, so that the releases a
+    resume appends start on lines of their own: a cut-off tail that :func:`read_journal` leaves
+    out (its release never left the server) is removed; one it counts (only the newline was
+    lost) gets its newline. Appending to the cut-off line would have made it, and the release
+    appended, one unreadable line, and the next resume would be refused."""
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    try:
+        _release_line(data[cut:].decode("utf-8"))
+    except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError is a ValueError
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    with open(path, "ab") as f:
+        f.write(b"\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -378,6 +378,14 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
         scores = supports.score_phase
         unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
         log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
+        log(
+            INFO,
+            "the guarantee assumes that a client answers within timeout.train = %gs and timeout.score = %gs whatever the "
+            "other clients' data: clients that queue for one executor (fewer simulation actors than clients, a shared "
+            "worker-name) need deadlines well above the slowest honest round (docs/privacy.md)",
+            cfg.timeout.train,
+            cfg.timeout.score,
+        )
         if cfg.timeout.skip_after:
             log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
         if cfg.max_failed_rounds:

@@ -706,6 +706,29 @@ def test_a_resume_counts_the_journal_s_releases_and_takes_c_from_the_complete_ro
     assert [e.noise_multiplier for e in resumed.ledger.events] == [0.2, 0.4, 0.2] and resumed.clipping_norm == 0.7
 
 
+@pytest.mark.parametrize(
+    "tail, counted",
+    [('{"release": "round 2 upd', 0), ('{"release": "round 2 update", "noise-multiplier": 1.0}', 1)],
+    ids=["cut-mid-line", "only-the-newline-lost"],
+)
+def test_a_resume_after_a_cut_off_journal_write_appends_on_a_line_of_its_own_and_resumes_again(tmp_path, tail, counted):
+    """The server stopped mid-write: the resume counts the cut-off release only when the line is
+    whole (conservative), and what it journals next stays readable, so a second resume reads every
+    release (audit, 2026-11-26: the redo was appended to the cut-off line, and the next resume was
+    refused)."""
+    journal = tmp_path / "privacy-ledger.jsonl"
+    journal.write_text('{"release": "round 1 update", "noise-multiplier": 1.0}\n' + tail)
+    records = [{"round": 1, "privacy": {"releases": 1}}]
+    first = UpdatePrivacy(_dp(noise_multiplier=1.0), 2)
+    first.replay(records, journal)
+    assert len(first.ledger.events) == 1 + counted
+    first.ledger.journal = journal
+    first.ledger.compose(1.0, "round 2 update")
+    second = UpdatePrivacy(_dp(noise_multiplier=1.0), 2)
+    second.replay(records, journal)
+    assert [e.what for e in second.ledger.events] == ["round 1 update"] + ["round 2 update"] * (1 + counted)
+
+
 def test_a_resume_without_its_journal_or_with_a_shorter_one_is_refused(tmp_path):
     records = [{"round": 1, "privacy": {"releases": 2}}, {"round": 2, "privacy": {"releases": 4}}]
     privacy = UpdatePrivacy(_dp(noise_multiplier=1.0), 2)
@@ -877,6 +900,8 @@ def test_a_private_fedtops_run_reports_epsilon_every_round(side, tmp_path, caplo
             assert r["privacy-diagnostics"]["updates-clipped"] == 2
     stream = caplog.text
     assert "accounted at δ = 1e-05 as one Gaussian of multiplier 1.789 per round" in stream
+    # the assumption behind one deadline per phase, with the deadlines this run has (the defaults)
+    assert "the guarantee assumes that a client answers within timeout.train = 3600s and timeout.score = 600s" in stream
     assert "round 2/2 [fedtops]" in stream and f"ε = {records[-1]['privacy']['epsilon']:.3g} (δ = 1e-05)" in stream
     assert f"differential privacy: ε = {records[-1]['privacy']['epsilon']:.3g} at δ = 1e-05 after 4 Gaussian releases in 2 rounds" in stream
 
