@@ -187,6 +187,7 @@ python -m fedopd.preflight "${PREFLIGHT_ARGS[@]}" >"$WORK/preflight.txt" 2>&1 \
 # --- Ray (the resident workers' engine) and the SuperNodes ---------------------------------
 # Ray's socket paths must stay short: its session folders go to a short temp folder, removed at exit.
 RAY_TMP="$(mktemp -d /tmp/ftr.XXXXXX)"
+RAY_PIDS=()
 RAY_ARGS=(--head --block --include-dashboard=false --disable-usage-stats --num-cpus "$(nproc)")
 node_prefix() { if ((NETNS)); then echo ip netns exec "fedtops-$$-$1"; fi; }
 ray_address() { if ((NETNS)); then echo "10.$NET.$1.2:6379"; else echo "127.0.0.1:$RAY_PORT"; fi; }
@@ -199,6 +200,7 @@ if ((NETNS)); then
     python "$TOOLS" ray-token "$(ray_token "$i")"; ray_env "$i"
     start "$WORK/ray-$i.log" $(node_prefix "$i") "${RAY_ENV[@]}" ray start "${RAY_ARGS[@]}" --node-ip-address "10.$NET.$i.2" \
       --port 6379 --temp-dir "$RAY_TMP/$i"
+    RAY_PIDS[$i]=$LAST_PID
   done
 else
   python "$TOOLS" ray-token "$(ray_token 0)"; ray_env 0
@@ -206,14 +208,25 @@ else
   start "$WORK/ray.log" "${RAY_ENV[@]}" ray start "${RAY_ARGS[@]}" --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
     --ray-client-server-port "$(python "$TOOLS" free-port)" --dashboard-agent-listen-port "$(python "$TOOLS" free-port)" \
     --temp-dir "$RAY_TMP/0"
+  RAY_PIDS[0]=$LAST_PID
 fi
 # A client's resident worker refuses at once when nothing answers at its ray-address (it would
-# otherwise wait minutes in ray.init), so every Ray instance must answer before a SuperNode starts:
-# on a loaded host `ray start` takes well over the seconds a SuperNode needs to register.
+# otherwise wait minutes in ray.init), so every Ray instance must be up before a SuperNode starts:
+# `ray start` prints "Ray runtime started." once its node has registered (its GCS port answers
+# earlier, and on a loaded host it then gave up on its raylet after 30 s and exited, stop 44).
+ray_up() {  # ray_up LOG PID: wait for the started line; fail if ray start exits first
+  local log="$1" pid="$2"
+  for _ in $(seq 360); do
+    grep -q "Ray runtime started" "$log" 2>/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || return 1
+    sleep 0.5
+  done
+  return 1
+}
 for ((i = 0; i < (NETNS ? NODES : 1); i++)); do
-  address="$(ray_address "$i")"
-  $(node_prefix "$i") python "$TOOLS" wait-port "${address%:*}" "${address##*:}" 180 \
-    || { echo "error: Ray instance $i did not answer at $address within 180 s; see $WORK/ray*.log" >&2; exit 1; }
+  log="$WORK/ray.log"; ((NETNS)) && log="$WORK/ray-$i.log"
+  ray_up "$log" "${RAY_PIDS[$i]}" \
+    || { tail -5 "$log" >&2; echo "error: Ray instance $i did not start within 180 s; see $log" >&2; exit 1; }
 done
 
 declare -A NODE_PGID

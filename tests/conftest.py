@@ -55,53 +55,39 @@ def pytest_configure(config):
 
 
 # The suite runs on every core (pytest-xdist, -n auto in pyproject.toml), each test on its own
-# except for groups that run one test after another on one worker (GROUPS, by the scheduler below):
-# - tests that start a local Ray instance (Flower's simulation, the resident worker, its vLLM lifecycle): a Ray client
-#   started without an address joins the latest local instance, so two of them must not overlap;
-# - the tests that read one shared deployment (a module fixture of tests/test_deployment.py), so
-#   that one worker deploys it once. The other deployment tests start their own Ray with an explicit
-#   address, port and temporary folder (scripts/local-deployment.sh) and spread over the workers.
+# except for the tests that start processes of a federation: a local Ray instance (Flower's
+# simulation, the resident worker, its vLLM lifecycle) or a whole local deployment (a SuperLink,
+# SuperNodes and Ray, scripts/local-deployment.sh). They run one after another on one worker (the
+# group "ray", by the scheduler below): a Ray client started without an address joins the latest
+# local instance, so two of them must not overlap; and two of them at once on CI's 2 cores slowed
+# Ray's start past the 30 s it gives its raylet, failing runs and deployments (stop 44). The group
+# also keeps each deployment module fixture (tests/test_deployment.py) on the worker that built it.
 # (xdist's own --dist loadgroup does not group under pytest 9: its nodeid suffix is ignored.)
 # Each worker computes with one thread (pytest_configure): two workers of two threads each on two
 # cores spin against each other, and ran the suite slower than one process did.
-RAY_FILES = {"test_flwr_run.py", "test_vllm_app.py", "test_simulation.py", "test_ray_auth.py", "test_resident.py", "test_engine_lifecycle.py"}
-SHARED_FIXTURES = {"tests/test_deployment.py": ("tls_run", "lost_run")}
+RAY_FILES = {
+    "test_flwr_run.py",
+    "test_vllm_app.py",
+    "test_simulation.py",
+    "test_ray_auth.py",
+    "test_resident.py",
+    "test_engine_lifecycle.py",
+    "test_deployment.py",
+}
 
 
-def _shared_fixture_users(path: str, fixtures: tuple[str, ...]) -> dict[str, str]:
-    """{test function name: the shared fixture it takes}, read from the test file's source."""
-    import ast
-    from pathlib import Path
-
-    tree = ast.parse((Path(__file__).resolve().parent.parent / path).read_text())
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            for arg in node.args.args:
-                if arg.arg in fixtures:
-                    out[node.name] = arg.arg
-    return out
-
-
-def schedule_unit(nodeid: str, users: dict[str, dict[str, str]]) -> str:
-    """The scheduling unit of a test: a group name, or the test itself."""
-    path, _, rest = nodeid.partition("::")
-    if path.rsplit("/", 1)[-1] in RAY_FILES:
-        return "ray"
-    name = rest.split("[", 1)[0]
-    if name in users.get(path, {}):
-        return f"{path}::{users[path][name]}"
-    return nodeid
+def schedule_unit(nodeid: str) -> str:
+    """The scheduling unit of a test: the group "ray", or the test itself."""
+    path = nodeid.partition("::")[0]
+    return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else nodeid
 
 
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    users = {path: _shared_fixture_users(path, fixtures) for path, fixtures in SHARED_FIXTURES.items()}
-
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return schedule_unit(nodeid, users)
+            return schedule_unit(nodeid)
 
     return GroupScheduling(config, log)
 
