@@ -552,7 +552,7 @@ def read_journal(path: Path) -> list[tuple[str, float]]:
     cut off mid-write is left out (its release had not left the server); any other line that is
     not a release raises ValueError naming the file and line."""
     out = []
-    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = path.read_bytes().decode("utf-8").split("\n")  # at "\n" only, as end_journal_lines splits
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import TINY_RUN
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
 from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _run, message
@@ -32,6 +32,7 @@ from fedtops_strategy.privacy import (
     adaptive_multipliers,
     clip_scores,
     clip_update,
+    end_journal_lines,
     noisy_unclipped_share,
     privatize_scores,
     public_score_row,
@@ -694,6 +695,30 @@ def test_a_journal_of_any_text_is_read_or_refused_with_a_value_error(text):
             assert "privacy-ledger.jsonl, line" in str(err)
         else:
             assert all(isinstance(w, str) and z >= 0 for w, z in entries)
+
+
+@FIXED
+@given(st.lists(st.sampled_from(['{"release": "r", "noise-multiplier": 1.0}', "\n", "\r", '{"rel', "x", "2", "{}"]), max_size=8))
+@example(['{"release": "r", "noise-multiplier": 1.0}', "\r", '{"rel'])  # a release before a lone CR (review, 2026-11-26)
+def test_ending_a_journal_s_lines_keeps_exactly_the_releases_it_counts(parts):
+    """Whatever a journal holds (a line cut off, a stray carriage return, a tail that is JSON but no
+    release), ending its lines keeps what read_journal counts, and a release appended reads back."""
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "privacy-ledger.jsonl"
+        path.write_bytes("".join(parts).encode())
+        try:
+            counted = read_journal(path)
+        except ValueError:
+            return  # refused before the resume writes anything
+        end_journal_lines(path)
+        assert read_journal(path) == counted
+        ledger = PrivacyLedger(1e-5)
+        ledger.journal = path
+        ledger.compose(2.0, "next")
+        assert read_journal(path) == counted + [("next", 2.0)]
 
 
 def test_a_resume_counts_the_journal_s_releases_and_takes_c_from_the_complete_rounds(tmp_path):
