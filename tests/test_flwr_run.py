@@ -73,7 +73,11 @@ def flwr_runner(tmp_path_factory, federation: str = "num-supernodes=3", unset: t
             cmd += ["--run-config", item]
         outs = [Path(m) for item in run_config for m in re.findall(r"output-dir='([^']+)'", item)]
         before = {p for out in outs if out.is_dir() for p in out.iterdir()}
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+        def once() -> subprocess.CompletedProcess:
+            return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+        done = once()
         if done.returncode != 0 and RAY_START_TIMEOUT in done.stdout + done.stderr:
             # Ray gives its raylet a fixed 30 s to register (ray/_private/node.py); on CI's 2 cores,
             # beside a deployment test starting its own processes, it took longer (stop 44). That is
@@ -81,7 +85,7 @@ def flwr_runner(tmp_path_factory, federation: str = "num-supernodes=3", unset: t
             for child in {p for out in outs if out.is_dir() for p in out.iterdir()} - before:
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
             print(f"flwr run: Ray's node did not start within its 30 s; running again\n{done.stdout[-2000:]}", file=sys.stderr)
-            done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+            done = once()
         return done
 
     run.port = port
