@@ -3,8 +3,12 @@
 process behind, in process and in the resident Ray worker. Counted, on vLLM's CPU build (CI's
 second environment, scripts/install.sh cpu-vllm); skipped where vLLM cannot run.
 
-The engine processes are found by the name vLLM gives them (``VLLM::EngineCore``, set with
-setproctitle in vllm/v1/engine/core.py) among this host's processes started during the test."""
+The engine processes are found by the title vLLM gives them (``VLLM::EngineCore``, set with
+setproctitle in vllm/v1/engine/core.py) among this test process's descendants: the in-process
+engine, and the engines of the workers of the Ray instance it starts. Not among the host's
+processes: CI runs other vLLM tests on a second pytest worker beside these (a second engine was
+counted there, stop 45). A process once found is then followed by its handle, so one that outlives
+its parent (and is re-parented away from this process) still counts as running."""
 
 from __future__ import annotations
 
@@ -24,39 +28,69 @@ pytestmark = [
 SHARE = (0.05, 0.06) if vllm_platform() == "cpu" else (0.2, 0.25)  # the CPU build: a share of the host's memory
 
 
-def engines(since: float) -> set[int]:
-    """Pids of the vLLM engine processes on this host started after ``since`` (a time.time())."""
-    found = set()
-    for proc in psutil.process_iter(["pid", "name", "create_time"]):
-        if (proc.info["name"] or "").startswith("VLLM::EngineCore") and proc.info["create_time"] >= since - 1:
-            found.add(proc.info["pid"])
+# The title as the kernel keeps it (a process's comm: 15 characters); psutil gives the whole title
+# where it can read the command line, this prefix where it cannot.
+TITLE = "VLLM::EngineCor"
+
+
+def engines() -> dict[int, psutil.Process]:
+    """This test process's running vLLM engine processes, by pid."""
+    found = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.name().startswith(TITLE) and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = proc
+        except psutil.Error:  # ended while we looked
+            pass
     return found
 
 
-def _gone(pids: set[int], since: float, timeout: float = 30.0) -> set[int]:
-    """Those of ``pids`` still running after up to ``timeout`` seconds."""
+def _running(procs: dict[int, psutil.Process]) -> set[int]:
+    alive = set()
+    for pid, proc in procs.items():
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # is_running: the same process, not a reused pid
+                alive.add(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _gone(procs: dict[int, psutil.Process], timeout: float = 30.0) -> set[int]:
+    """The pids of those of ``procs`` still running after up to ``timeout`` seconds."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end and pids & engines(since):
+    while time.monotonic() < end and _running(procs):
         time.sleep(0.5)
-    return pids & engines(since)
+    return _running(procs)
+
+
+def _tree() -> str:
+    """This process's descendants, for a failure message."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            out.append(f"{proc.pid} {proc.name()!r} ({proc.status()}, parent {proc.ppid()})")
+        except psutil.Error:
+            pass
+    return "; ".join(out) or "none"
 
 
 def test_the_in_process_worker_closes_its_engine_when_the_config_changes_and_at_the_end():
     from client_app.worker import close_worker_models, worker_models
     from fedopd.config import LoraSettings, ModelSettings
 
-    since = time.time()
     model = ModelSettings(student="builtin:sandbox-student", teacher="builtin:sandbox-teacher", dtype="float32")
     try:
         worker_models(model, LoraSettings(), "vllm", 512, SHARE[0])
-        first = engines(since)
-        assert len(first) == 1
+        first = engines()
+        assert len(first) == 1, _tree()
         worker_models(model, LoraSettings(), "vllm", 512, SHARE[1])  # the user changed the share
-        assert not _gone(first, since), "the engine of the previous configuration is still running"
-        assert len(engines(since)) == 1
+        assert not _gone(first), "the engine of the previous configuration is still running"
+        last = engines()
+        assert len(last) == 1, _tree()
     finally:
         close_worker_models()
-    assert not _gone(engines(since), since)
+    assert not _gone(last)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +116,6 @@ def test_the_resident_worker_closes_its_engine_when_it_is_replaced_and_when_it_s
     from fedopd.config import parse_run_config
     from server_app.app import initial_adapter
 
-    since = time.time()
     node = {"partition-id": 0, "num-partitions": 3, "worker": "resident", "worker-name": "life", "ray-insecure": True}
     seen = []
     for share in SHARE:
@@ -92,14 +125,14 @@ def test_the_resident_worker_closes_its_engine_when_it_is_replaced_and_when_it_s
         context = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config=cfg.to_run_config())
         reply = handle("train", train_message(initial_adapter(cfg)[0], 1), context)
         assert "metrics" in reply.content, reply.error if reply.has_error() else reply.content
-        running = engines(since)
-        assert len(running) == 1, f"{len(running)} engine processes after the worker for share {share} started"
+        running = engines()
+        assert len(running) == 1, f"{len(running)} engine processes after the worker for share {share} started; this process's descendants: {_tree()}"
         seen.append(running)
-    assert seen[0] != seen[1] and not _gone(seen[0], since)
+    assert seen[0].keys() != seen[1].keys() and not _gone(seen[0])
     assert len(list_workers()) == 1
     stop_workers("life")
     # At once, not eventually: vLLM's engine process notices a killed parent only some seconds
     # later (and may not at all, vLLM's issue about EngineCore surviving its parent); the graceful
     # stop has shut it down before stop_workers returns.
-    assert not seen[1] & engines(since), "the stopped worker's engine is still running"
+    assert not _running(seen[1]), "the stopped worker's engine is still running"
     assert list_workers() == []
