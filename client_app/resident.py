@@ -366,9 +366,10 @@ def _call(method, timeout: float):
 
 
 def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
-    """SIGTERM each (pid, start time) still running, SIGKILL what is left after ``wait_s``; a pid
-    reused by another process (a start time more than a second apart: psutil derives it from the
-    boot time, which moves when the clock is stepped) is left alone."""
+    """SIGTERM each (pid, start time) still running, SIGKILL what is left after ``wait_s`` and wait
+    (up to 5 s) for those to end, so that what they held is free when this returns; a pid reused by
+    another process (a start time more than a second apart: psutil derives it from the boot time,
+    which moves when the clock is stepped) is left alone."""
     import psutil
 
     alive, seen = [], set()
@@ -393,6 +394,7 @@ def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
             proc.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs(left, timeout=5.0)  # a SIGKILL is sent, not yet acted on
 
 
 def main(argv: list[str] | None = None) -> int:
