@@ -42,6 +42,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -394,7 +395,21 @@ def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(left, timeout=5.0)  # a SIGKILL is sent, not yet acted on
+    # A SIGKILL is sent, not yet acted on. Polled rather than waited for (psutil's wait reaps a
+    # child of this process, whose exit status belongs to whoever started it).
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end and any(_alive(proc) for proc in left):
+        time.sleep(0.05)
+
+
+def _alive(proc) -> bool:
+    """Whether ``proc`` (a psutil.Process) still runs: an ended child not yet reaped is a zombie."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

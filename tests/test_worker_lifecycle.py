@@ -68,7 +68,8 @@ def test_a_process_that_ignores_sigterm_is_killed():
     p = psutil.Process(proc.pid)
     start = time.monotonic()
     _end_processes([[p.pid, p.create_time()]], wait_s=1.0)
-    assert proc.wait(timeout=10) == -9 and time.monotonic() - start < 10
+    assert p.status() == psutil.STATUS_ZOMBIE  # ended when the call returns, not later
+    assert proc.wait(timeout=10) == -9 and time.monotonic() - start < 10  # its exit status is still its owner's
 
 
 def test_a_tree_that_lists_the_caller_leaves_the_caller_alone():
