@@ -46,14 +46,11 @@ def engines() -> dict[int, psutil.Process]:
 
 
 def _running(procs: dict[int, psutil.Process]) -> set[int]:
-    alive = set()
-    for pid, proc in procs.items():
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # is_running: the same process, not a reused pid
-                alive.add(pid)
-        except psutil.Error:
-            pass
-    return alive
+    """The pids of those of ``procs`` still running (psutil's is_running: the same process, not a
+    reused pid; an ended child not yet reaped does not count)."""
+    from client_app.resident import _alive
+
+    return {pid for pid, proc in procs.items() if _alive(proc)}
 
 
 def _gone(procs: dict[int, psutil.Process], timeout: float = 30.0) -> set[int]:
