@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from client_app.resident import _alive
 from fedopd.rollout.vllm_engine import vllm_platform
 
 pytestmark = [
@@ -38,7 +39,7 @@ def engines() -> dict[int, psutil.Process]:
     found = {}
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.name().startswith(TITLE) and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.name().startswith(TITLE) and _alive(proc):
                 found[proc.pid] = proc
         except psutil.Error:  # ended while we looked
             pass
@@ -48,8 +49,6 @@ def engines() -> dict[int, psutil.Process]:
 def _running(procs: dict[int, psutil.Process]) -> set[int]:
     """The pids of those of ``procs`` still running (psutil's is_running: the same process, not a
     reused pid; an ended child not yet reaped does not count)."""
-    from client_app.resident import _alive
-
     return {pid for pid, proc in procs.items() if _alive(proc)}
 
 
@@ -84,7 +83,7 @@ def worker_processes() -> dict[int, psutil.Process]:
 
     (name,) = list_workers()
     pid = ray.get(ray.get_actor(name, namespace=NAMESPACE).info.remote())["pid"]
-    return {proc.pid: proc for proc in psutil.Process(pid).children(recursive=True) if _running({proc.pid: proc})}
+    return {proc.pid: proc for proc in psutil.Process(pid).children(recursive=True) if _alive(proc)}
 
 
 def _tree() -> str:
