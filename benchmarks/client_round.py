@@ -77,10 +77,13 @@ def _device_name() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-QWEN3_ARCH = {  # the configs of the hub's Qwen3 models (hidden, layers, heads, kv heads, ffn, tied)
-    "0.6b": (1024, 28, 16, 8, 3072, True),
-    "1.7b": (2048, 28, 16, 8, 6144, True),
-    "8b": (4096, 36, 32, 8, 12288, False),
+QWEN3_ARCH = {  # the configs of the hub's Qwen3 models (hidden, layers, heads, kv heads, ffn, tied, head dim)
+    "0.6b": (1024, 28, 16, 8, 3072, True, 128),
+    "1.7b": (2048, 28, 16, 8, 6144, True, 128),
+    "8b": (4096, 36, 32, 8, 12288, False, 128),
+    # the same shapes scaled down, for CPU dry runs of the scripts that build these (--tiny)
+    "tiny-student": (64, 2, 4, 2, 128, True, 16),
+    "tiny-teacher": (128, 2, 4, 2, 256, False, 32),
 }
 QWEN3_VOCAB = 151936
 
@@ -99,10 +102,10 @@ def word_level_tokenizer(vocab: int = QWEN3_VOCAB):
     return fast
 
 
-def paper_models(teacher_arch: str, seed: int = 0, *, layers: int | None = None, dtype: torch.dtype | None = None):
+def paper_models(teacher_arch: str, seed: int = 0, *, layers: int | None = None, dtype: torch.dtype | None = None, student_arch: str = "0.6b"):
     """Random-weight Qwen3 student (0.6B architecture, LoRA attached) and teacher, bf16 on the GPU
     (fp32 on the CPU, for a smoke run); ``layers``: that many layers of each instead of the
-    architecture's, ``dtype``: another dtype."""
+    architecture's, ``dtype``: another dtype, ``student_arch``: another student's shape."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from fedopd.config import LoraSettings
@@ -112,8 +115,8 @@ def paper_models(teacher_arch: str, seed: int = 0, *, layers: int | None = None,
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = word_level_tokenizer()
     out = []
-    for arch, name in (("0.6b", "student"), (teacher_arch, "teacher")):
-        h, arch_layers, heads, kv, ffn, tied = QWEN3_ARCH[arch]
+    for arch, name in ((student_arch, "student"), (teacher_arch, "teacher")):
+        h, arch_layers, heads, kv, ffn, tied, head_dim = QWEN3_ARCH[arch]
         n_layers = layers or arch_layers
         config = Qwen3Config(
             vocab_size=QWEN3_VOCAB,
@@ -121,7 +124,7 @@ def paper_models(teacher_arch: str, seed: int = 0, *, layers: int | None = None,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv,
-            head_dim=128,
+            head_dim=head_dim,
             intermediate_size=ffn,
             tie_word_embeddings=tied,
             max_position_embeddings=40960,

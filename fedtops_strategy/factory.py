@@ -1,5 +1,6 @@
 """Strategies by name: ``strategy.name`` looks its builder up in :data:`STRATEGIES`, and what it
-supports in :data:`CAPABILITIES`.
+supports in :data:`CAPABILITIES` (declared in :mod:`fedopd.core.strategies`, which
+imports no Flower, so that the run config validates on a host without it).
 
 A builder turns the validated ``strategy.*`` settings and the arguments that every strategy shares
 (``common``: Flower's ``fraction_train``, ``min_train_nodes``, ..., and the server-side parts'
@@ -21,41 +22,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
 from fedopd.core.settings import PrivacySettings, StrategySettings, TimeoutSettings
+from fedopd.core.strategies import CAPABILITIES, Capabilities, capabilities
 from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fedtops_se import FedTOPSHeldoutCache, FedTOPSStandardError
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
 from fedtops_strategy.references import Centralized, LocalTraining
 
+__all__ = ["CAPABILITIES", "STRATEGIES", "Capabilities", "capabilities", "make_strategy", "register_strategy"]
+
 StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a registered strategy supports (the defaults: an averaging strategy like FedAvg).
-
-    averages: it forms an average of client updates (``strategy.aggregator``, ``clip-norm``,
-        ``max-weight`` and ``privacy.*`` act on it);
-    score_phase: it has FedTOPS's score phase (``configure_score``/``aggregate_score``; the
-        ``strategy.max-vetoes``/``score-aggregate`` keys act on its score replies);
-    private: ``privacy.*`` can protect everything it releases (a variant whose score replies carry
-        more than Ĵ and K̂, unprotected, is not);
-    per_client_adapters: each client keeps its own adapter and there is no global one (Local);
-    scoring_cache: where its clients take the scoring cache from (``round``; ``untrained``: prompts
-        outside the round's batch, which the ServerApp checks the data for).
-    """
-
-    averages: bool = True
-    score_phase: bool = False
-    private: bool = True
-    per_client_adapters: bool = False
-    scoring_cache: str = "round"
 
 
 def _fedtops(cls: type[FedTOPS]) -> StrategyBuilder:
@@ -82,30 +63,12 @@ STRATEGIES: dict[str, StrategyBuilder] = {
 }
 
 
-_FEDTOPS = Capabilities(score_phase=True)
-CAPABILITIES: dict[str, Capabilities] = {
-    "fedavg": Capabilities(),
-    "fixed": Capabilities(),
-    "fedtops": _FEDTOPS,
-    # the standard errors of Ĵ_i travel unprotected: no privacy for this variant
-    "fedtops-se": Capabilities(score_phase=True, private=False),
-    "fedtops-heldout-cache": Capabilities(score_phase=True, scoring_cache="untrained"),
-    "local": Capabilities(averages=False, private=False, per_client_adapters=True),
-    "centralized": Capabilities(averages=False, private=False),
-}
-
-
 def register_strategy(name: str, builder: StrategyBuilder, capabilities: Capabilities | None = None) -> StrategyBuilder:
     """Make ``strategy.name = name`` build ``builder(cfg, common)`` and declare what it supports
     (default: an averaging strategy without a score phase); returns ``builder``."""
     STRATEGIES[name] = builder
     CAPABILITIES[name] = capabilities or Capabilities()
     return builder
-
-
-def capabilities(name: str) -> Capabilities:
-    """What the strategy registered as ``name`` supports (a name registered without: the defaults)."""
-    return CAPABILITIES.get(name, Capabilities())
 
 
 def make_strategy(

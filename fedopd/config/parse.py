@@ -18,14 +18,14 @@ from typing import Any
 
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig
+from fedopd.core.strategies import CAPABILITIES, capabilities
 from fedopd.data.registry import DATASETS as PROMPT_SETS
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
-from fedtops_strategy.factory import STRATEGIES, capabilities
 
 # Keys whose allowed values are a registry's names, read at validation time (a registry may grow):
 # the registries live below this module, and registering a name makes it valid everywhere.
-REGISTERED = {"data.name": PROMPT_SETS, "train.loss": DIVERGENCES, "strategy.name": STRATEGIES}
+REGISTERED = {"data.name": PROMPT_SETS, "train.loss": DIVERGENCES, "strategy.name": CAPABILITIES}
 
 
 def allowed_values(key: str) -> str:
@@ -178,8 +178,8 @@ def _check_cross(cfg: RunConfig) -> None:
 
 
 def _registered(what: str) -> str:
-    """The registered strategy names that declare ``what`` (fedtops_strategy.factory.Capabilities)."""
-    return ", ".join(repr(n) for n in STRATEGIES if getattr(capabilities(n), what))
+    """The registered strategy names that declare ``what`` (fedopd.core.strategies.Capabilities)."""
+    return ", ".join(repr(n) for n in CAPABILITIES if getattr(capabilities(n), what))
 
 
 def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, instead: str) -> None:
