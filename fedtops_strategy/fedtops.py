@@ -25,8 +25,12 @@ candidate infeasible for that client, which still counts as scored. Ĵ is weight
 the train replies had in the average, never by what a score reply claims. If some client whose update is in Δ_t
 returned no valid scores, its trust constraint is unknown: a_t = min(selected, 1), and the round
 record keeps the uncapped choice (``selected-multiplier``), the cap (``multiplier-cap``) and those
-clients (``unscored-node-ids``). Driven by Flower's own ``Strategy.start``, which has no score
-phase, FedTOPS is FedAvg.
+clients (``unscored-node-ids``).
+
+Flower's contract: :meth:`FedTOPS.start` takes the arguments of Flower's ``Strategy.start`` and
+returns its ``Result``, with the score phase (:meth:`FedTOPS.score_phase`) between train and
+evaluate, so a ServerApp of one's own can call ``FedTOPS(...).start(grid, arrays, num_rounds)`` the
+way FlowerTune calls ``strategy.start``; the app's loop runs the same phases.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from fedtops_strategy.replies import SCORE_NEGATIVE_TOL, Expected, ScoreReply, parse_score
 from fedtops_strategy.screening import ReplyScreening, parse_replies
@@ -141,6 +146,56 @@ class FedTOPS(ReplyScreening, FedAvg):
         nodes = [r.node_id for r in self.kept]
         self._score_sent = [Message(content=content, message_type=SCORE_MESSAGE_TYPE, dst_node_id=n) for n in nodes]
         return self._score_sent
+
+    def score_phase(self, server_round: int, grid: Grid, timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Algorithm 1's score phase, after :meth:`aggregate_train`: Δ_t and the candidates out
+        (:meth:`configure_score`), Ĵ_i(a) and K̂_i(a) back within ``timeout`` seconds, θ_{t+1} =
+        θ_t + a_t Δ_t and (a_t, the feasible count) (:meth:`aggregate_score`). (None, None) when
+        the round averaged nothing (it holds with θ_t)."""
+        if self.increment is None:
+            return None, None
+        replies = grid.send_and_receive(self.configure_score(server_round, self.increment, grid), timeout=timeout)
+        return self.aggregate_score(server_round, replies)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn=None,
+    ) -> Result:
+        """Flower's ``Strategy.start`` with FedTOPS's score phase: each round trains, scores the
+        candidates on the clients that trained and moves θ by the selected a_t, then runs Flower's
+        federated evaluation (``fraction_evaluate``) and ``evaluate_fn`` as Flower does. The
+        ``Result`` holds the last θ, each round's (a_t, feasible count) as its train metrics, and
+        the evaluations; each round's full record is in :attr:`records`."""
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
+        arrays = initial_arrays
+        for server_round in range(1, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            replies = grid.send_and_receive(self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
+            self.aggregate_train(server_round, replies)
+            new, metrics = self.score_phase(server_round, grid, timeout)
+            if new is not None:
+                arrays = result.arrays = new
+            if metrics is not None:
+                result.train_metrics_clientapp[server_round] = metrics
+            replies = grid.send_and_receive(self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
+            if (metrics := self.aggregate_evaluate(server_round, replies)) is not None:
+                result.evaluate_metrics_clientapp[server_round] = metrics
+            if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+        return result
 
     def aggregate_score(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Select a_t from the valid score replies; return θ_{t+1} = θ_t + a_t Δ_t and (a_t, Ĵ)."""

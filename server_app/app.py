@@ -370,8 +370,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             except Exception as err:  # noqa: BLE001 - a figure must never stop a run
                 log(WARNING, "could not draw %s: %s", run.path / FIGURE, err)
 
-    # Flower's Strategy.start, from the round after the last complete one, with FedTOPS's score
-    # phase between train and evaluate.
+    # The phases of Flower's Strategy.start (FedTOPS.start), from the round after the last complete
+    # one, with FedTOPS's score phase between train and evaluate and the app's own evaluation.
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
     if strategy.privacy is not None:
@@ -426,10 +426,8 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
 
         # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
         if new_arrays is not None and supports.score_phase:
-            messages = strategy.configure_score(server_round, strategy.increment, grid)
-            replies = grid.send_and_receive(messages, timeout=cfg.timeout.score)
+            new_arrays, _ = strategy.score_phase(server_round, grid, cfg.timeout.score)
             traffic["score"] = grid.last_traffic
-            new_arrays, _ = strategy.aggregate_score(server_round, replies)
         if new_arrays is not None:
             global_arrays = new_arrays
 

@@ -128,6 +128,33 @@ def test_fedtops_applies_theta_plus_selected_multiplier_times_weighted_delta():
     assert record["num-feasible"] == 4
 
 
+def test_fedtops_driven_by_flowers_start_runs_its_score_phase():
+    """Flower's contract: FedTOPS.start (Strategy.start's arguments and Result) moves by the
+    selected a_t, not by FedAvg's a = 1."""
+    scores = {
+        1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.01, 0.02, 0.03, 0.2, 0.3]),
+        2: ([0.5, 0.4, 0.3, 0.25, 0.1, 0.0], [0.0, 0.01, 0.02, 0.04, 0.04, 0.3]),
+    }
+    grid = FakeGrid(UPDATES, WEIGHTS, scores)
+    result = FedTOPS(trust_budget=0.05, **_common(2)).start(grid, _record(THETA), num_rounds=1, timeout=60.0)
+    assert list(result.arrays.keys()) == KEYS
+    for n, t, d in zip(result.arrays.to_numpy_ndarrays(), THETA, DELTA):
+        assert np.array_equal(n, t + np.float32(3.0) * d)
+    assert result.train_metrics_clientapp[1]["multiplier"] == 3.0
+    assert sorted(m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query.score") == [1, 2]
+
+
+def test_fedtops_start_and_the_apps_loop_give_the_same_rounds():
+    # node 2 vetoes a >= 5 in round 1; three rounds, so θ moves from the first round's result
+    scores = {1: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0] * 6), 2: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0, 0.0, 0.0, 0.0, 0.1, 0.1])}
+    by_loop, by_start = FedTOPS(**_common(2)), FedTOPS(**_common(2))
+    looped = _run(by_loop, FakeGrid(UPDATES, WEIGHTS, scores), rounds=3)
+    started = by_start.start(FakeGrid(UPDATES, WEIGHTS, scores), _record(THETA), num_rounds=3, timeout=60.0).arrays.to_numpy_ndarrays()
+    assert all(np.array_equal(a, b) for a, b in zip(looped, started))
+    assert [by_start.records[t]["multiplier"] for t in (1, 2, 3)] == [by_loop.records[t]["multiplier"] for t in (1, 2, 3)] == [3.0] * 3
+    assert all(by_start.records[t].keys() == by_loop.records[t].keys() for t in (1, 2, 3))
+
+
 def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained():
     scores = {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}
     grid = FakeGrid(UPDATES, WEIGHTS, scores)
