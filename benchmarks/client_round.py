@@ -301,8 +301,9 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
     """Runs in a subprocess: extra peak bytes and seconds of one forward+backward of the loss.
 
     On GPU the hidden states and head weights are bf16, as the models give them. ``app`` is the
-    app's loss: chunked, checkpointed, fp32 logits from :func:`fedopd.models.fp32_head` (TF32
-    matmuls, exact for bf16 values). ``chunked`` and ``unchunked`` upcast to fp32 and multiply in
+    loss as local OPD runs it (:func:`fedopd.distill.opd.minibatch_gradient`): chunked, the
+    gradient taken in the forward pass (``fused_scale`` = 1 / positions, the sum divided by the
+    positions), fp32 logits from :func:`fedopd.models.fp32_head` (TF32 matmuls, exact for bf16 values). ``chunked`` and ``unchunked`` upcast to fp32 and multiply in
     plain fp32 (the earlier head; unchunked = full P × V logits). ``liger-bf16`` is
     liger-kernel's fused linear JSD at beta = 1 (reverse KL, hard-loss weight 0) on the bf16
     tensors (bf16 logits), ``liger-fp32`` the same on fp32 copies. One untimed call first (kernel
@@ -310,7 +311,7 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
     """
     import torch.nn.functional as F
 
-    from fedopd.distill.opd import reverse_kl_sum_from_hidden, token_reverse_kl
+    from fedopd.distill.opd import divergence_sum_from_hidden, reverse_kl_sum_from_hidden, token_reverse_kl
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -337,11 +338,14 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
 
         def run():
             return reverse_kl_sum_from_hidden(h_s, head_s, h_t, head_t, chunk)
-    elif case == "app":  # the app's head: fedopd.models.fp32_head (TF32 for bf16 values on CUDA)
+    elif case == "app":  # local OPD's loss: the fused gradient, fedopd.models.fp32_head (TF32 for bf16 values on CUDA)
         from fedopd.models import fp32_head
 
+        scale = float(torch.ones(()) / positions)  # as minibatch_gradient scales by 1 / tokens
+
         def run():
-            return reverse_kl_sum_from_hidden(h_s, lambda h: fp32_head(h, w_s), h_t, lambda h: fp32_head(h, w_t), chunk)
+            head_s_app, head_t_app = (lambda h: fp32_head(h, w_s)), (lambda h: fp32_head(h, w_t))
+            return divergence_sum_from_hidden(h_s, head_s_app, h_t, head_t_app, token_reverse_kl, chunk_size=chunk, fused_scale=scale) / positions
     else:
 
         def run():
@@ -371,7 +375,7 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
         "vocab": vocab,
         "peak_bytes": peak,
         "seconds": time.perf_counter() - t0,
-        "loss": float(loss) / positions,
+        "loss": float(loss) if case == "app" else float(loss) / positions,  # the app's is the token mean already
         "device": device.type,
     }
 

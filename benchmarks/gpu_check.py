@@ -1,13 +1,14 @@
 """The prepared GPU check: what a paper client round costs on the lent card, in one command.
 
     python3 benchmarks/gpu_check.py OUT [--commit SHA]     # a GPU host: at most --budget-s (480 s)
-    python3 benchmarks/gpu_check.py OUT --tiny              # the CPU dry run CI runs (about a minute)
+    python3 benchmarks/gpu_check.py OUT --tiny              # the CPU dry run CI runs (one to two minutes)
 
 It needs torch, transformers, peft, numpy, safetensors and pytest (the lent machines' image has
 them; it has no Flower, vLLM, datasets or math-verify, and nothing here imports them: ``--tiny``
 hides them, so the dry run proves it). It writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``
-(the same figures as a table) and prints the table. Its parts, each in its share of the budget; a
-part that fails is recorded with its error and the next one runs:
+(the same figures as a table), rewritten after every part, and prints the table. Its parts, each
+in its share of the budget under a deadline; a part that fails or overruns is recorded with its
+error and the next one runs:
 
 1. **tests**: the suite's ``-m gpu`` tests (the files that hold them, :func:`gpu_test_files`) in a
    pytest subprocess, every test's outcome, seconds and skip reason from its JUnit report.
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.abc
 import importlib.metadata
 import json
@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python3 benchmarks/gpu_check.py` on a host where the project is not installed
+    sys.path.insert(0, str(ROOT))
 GIB = 1024**3
 # What the lent machines' image lacks (docs/performance.md): --tiny hides these, so a CPU dry run
 # fails where the check would fail there.
@@ -147,7 +149,8 @@ def choose_cap(requested: int, warmup_cap: int, prompt_tokens: int, rollout_s: f
     From a warm-up round at ``warmup_cap`` tokens: generation costs ``rollout_s / warmup_cap`` per
     token of the cap (every rollout of a random student runs to it), and the other steps
     (``rest_s``: teacher pass, scoring cache, local OPD, scores) scale with the sequence length
-    ``prompt_tokens + cap``. The warm-up's first calls pay kernel selection, so the prediction errs long.
+    ``prompt_tokens + cap``. A rough guide: attention's cost grows faster than linearly, and the
+    warm-up's first calls pay kernel selection; the round runs under a deadline whatever it predicts.
     """
     caps = []
     cap = requested
@@ -243,13 +246,14 @@ def child_env(hidden: tuple[str, ...], workdir: Path) -> dict[str, str]:
 def run_tests(env: dict[str, str], out: Path, timeout_s: float) -> dict[str, Any]:
     files = gpu_test_files(ROOT / "tests")
     report = out / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rs", f"--junitxml={report}", *files]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-rs", f"--junitxml={report}", *files]
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
         returncode, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired as e:
-        returncode, tail = None, f"timed out after {timeout_s:.0f} s: {(e.stdout or b'')[-2000:]!r}"
+    except subprocess.TimeoutExpired as e:  # the last line names the test that did not finish
+        output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        returncode, tail = None, f"timed out after {timeout_s:.0f} s; the output's end:\n{output[-2000:]}"
     cases = junit_cases(report.read_text()) if report.is_file() else []
     report.unlink(missing_ok=True)
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
@@ -279,7 +283,28 @@ def _one_round(models, theta, prompts, overrides: dict[str, Any], server_round: 
     return cfg, out, time.perf_counter() - t0, scores
 
 
-def run_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
+def run_round(args, env: dict[str, str], work: Path, allotted_s: float) -> dict[str, Any]:
+    """The round part in a process of its own, ended at ``allotted_s`` seconds (its GPU memory goes
+    with it): its record, or an error naming the deadline."""
+    record = work / "round.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(args.out), "--round-worker", str(record), "--round-seconds", str(allotted_s)]
+    cmd += ["--prompt-tokens", str(args.prompt_tokens), "--teacher-arch", args.teacher_arch]
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--rollouts", args.rollouts), ("--peak-tflops", args.peak_tflops)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    cmd += ["--tiny"] if args.tiny else []
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=allotted_s + 30, check=False)
+    except subprocess.TimeoutExpired as e:
+        output = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise RuntimeError(f"the round did not end within {allotted_s + 30:.0f} s; its output's end: {output[-600:]}") from None
+    if done.returncode != 0 or not record.is_file():
+        raise RuntimeError(f"the round's process exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+    return json.loads(record.read_text())
+
+
+def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
+    """One warm-up round and one measured round at the cap that fits ``allotted_s`` (in this process)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -312,8 +337,14 @@ def run_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
     _, warm, warm_score_s, _ = _one_round(models, theta, prompts, {**overrides, "rollout.max-new-tokens": warmup_cap}, 1)
     m = warm.metrics
     rest_s = m["total_s"] - m["rollout_s"] + warm_score_s
-    left_s = allotted_s - (time.perf_counter() - t0)
+    left_s = allotted_s - (time.perf_counter() - t0) - 10  # 10 s for the report and the process's end
     cap, predicted_s = choose_cap(requested, warmup_cap, args.prompt_tokens, m["rollout_s"], rest_s, left_s)
+    if cap == requested:
+        cap_reason = f"the requested cap (predicted {predicted_s:.0f} s of the {left_s:.0f} s left)"
+    elif predicted_s <= left_s:
+        cap_reason = f"the largest halving of {requested} predicted to fit the {left_s:.0f} s left (predicted {predicted_s:.0f} s)"
+    else:
+        cap_reason = f"no cap was predicted to fit the {left_s:.0f} s left: the warm-up's (predicted {predicted_s:.0f} s)"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -349,11 +380,7 @@ def run_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
             "prompt_tokens": args.prompt_tokens,
             "cap": cap,
             "cap_requested": requested,
-            "cap_reason": (
-                "the requested cap"
-                if cap == requested
-                else f"the largest predicted to fit the round's {allotted_s:.0f} s share (predicted {predicted_s:.0f} s)"
-            ),
+            "cap_reason": cap_reason,
             "mini_batch": cfg.train.mini_batch,
             "micro_batch": cfg.train.micro_batch,
             "teacher_batch": cfg.model.teacher_batch,
@@ -390,10 +417,6 @@ def run_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
             "card_total_gib": total / GIB,
             "free_after_gib": free_after / GIB,
         }
-    del models, student, teacher, out, warm
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return record
 
 
@@ -530,6 +553,14 @@ def markdown(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def write_report(result: dict[str, Any], out: Path) -> None:
+    """``gpu_check.json`` and ``gpu_check.md`` in ``out``, each replaced whole."""
+    for name, text in (("gpu_check.json", json.dumps(result, indent=2, default=float) + "\n"), ("gpu_check.md", markdown(result))):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out / name)
+
+
 def _version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -559,7 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-arch", default="8b", choices=("8b", "1.7b"), help="the teacher's shape")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, where the card is not listed")
     parser.add_argument("--commit", default=None, help="the commit checked (default: git rev-parse, where .git is there)")
+    parser.add_argument("--round-worker", type=Path, default=None, help=argparse.SUPPRESS)  # the round's own process: its record here
+    parser.add_argument("--round-seconds", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.round_worker is not None:
+        args.prompt_tokens = args.prompt_tokens or (16 if args.tiny else 128)
+        args.round_worker.write_text(json.dumps(measure_round(args, args.tiny, args.round_seconds), indent=2, default=float))
+        return 0
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - {"tests", "round", "loss"})
     if unknown:
@@ -594,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             "optional": {name: _version(name.replace("_", "-")) for name in ("flwr", "vllm", "flash-attn", "liger-kernel")},
         },
         "errors": {},
+        "elapsed_s": 0.0,
     }
     # The budget's shares: the tests at most a third, the loss a fifth, the round what is left.
     shares = {"tests": 0.3, "loss": 0.2}
@@ -609,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "tests":
                     result["tests"] = run_tests(env, args.out, min(args.budget_s * shares["tests"], left))
                 elif part == "round":
-                    result["round"] = run_round(args, args.tiny, max(left - reserved - 15, 30))
+                    result["round"] = run_round(args, env, Path(work), max(left - reserved - 45, 30))
                 else:
                     positions = [64, 256] if args.tiny else [1024, 4096, 16384]
                     vocab, width = (4096, 64) if args.tiny else (151936, 1024)
@@ -619,12 +657,10 @@ def main(argv: list[str] | None = None) -> int:
                         env, args.tiny, positions, vocab, width, TrainSettings().loss_chunk, min(args.budget_s * shares["loss"], left)
                     )
             except Exception as e:  # a part that fails is recorded; the next one runs
-                result["errors"][part] = f"{type(e).__name__}: {e}"[:1000]
-    result["elapsed_s"] = time.perf_counter() - start
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-    page = markdown(result)
-    (args.out / "gpu_check.md").write_text(page)
-    print(page)
+                result["errors"][part] = f"{type(e).__name__}: {e}"[:2000]
+            result["elapsed_s"] = time.perf_counter() - start
+            write_report(result, args.out)  # after every part: a check cut off later keeps what it measured
+    print(markdown(result))
     tests = result.get("tests")
     failed = bool(result["errors"]) or (tests is not None and (tests["returncode"] != 0 or tests["failed"] or tests["error"]))
     return 1 if failed else 0

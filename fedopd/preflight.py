@@ -17,8 +17,8 @@ safetensors headers. It checks, in order:
    picks, and whether packed micro-batches stay isolated under this host's attention;
 8. an estimate of GPU memory against the card's free memory: what stays for the whole round
    (teacher, HF student with LoRA and AdamW, vLLM's share and its engine process, the teacher's
-   kept hidden states, CUDA context) plus the largest of the round's phases (the teacher pass, the
-   scoring pass, local OPD's loss chunk and activations) (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
+   kept hidden states, CUDA context) plus the largest of the round's phases (HF generation's KV
+   cache, the teacher pass, the scoring pass, local OPD's loss chunk and activations) (``--gpu-free-gib`` simulates a card, e.g. to plan for another host).
 
 It prints one table and exits 1 on any problem; each failing row names the fix.
 """
@@ -40,6 +40,7 @@ from fedopd.config import ConfigError, RunConfig, check_server_requirements, par
 from fedopd.config.presets import add_run_config_option, app_defaults, load_preset, overrides_from_args
 from fedopd.core.errors import ModelLoadError
 from fedopd.models.head import HEAD_BLOCK_BYTES
+from fedopd.rollout.hf import BATCH as HF_BATCH
 
 GIB = 1024**3
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -173,6 +174,12 @@ def memory_estimate(
     else:
         activations = tokens * h * layers * ACTIVATION_BYTES
     teacher_tokens = cfg.model.teacher_batch * sequence
+    # HF generation (rollout.backend = hf; vLLM's cache is inside its share): generate's key and
+    # value cache of one batch of rollouts, every prompt at data.max-prompt-tokens and every
+    # response at the cap, in the compute dtype.
+    kv_heads = getattr(student_config, "num_key_value_heads", None) or student_config.num_attention_heads
+    head_dim = getattr(student_config, "head_dim", None) or h // student_config.num_attention_heads
+    hf_kv = min(cfg.rollout.per_round, HF_BATCH) * sequence * layers * 2 * kv_heads * head_dim * dtype_bytes if backend == "hf" else 0
     vocab = min(student_config.vocab_size, teacher_config.vocab_size)
     # The scoring pass (FedTOPS): every candidate's copy of the cached rollouts in one no-grad
     # forward, one layer's projections alive at a time (q, k, v, o and the MLP's gate, up and
@@ -195,6 +202,7 @@ def memory_estimate(
         "kept teacher hidden states": cfg.rollout.per_round * cfg.rollout.max_new_tokens * teacher_config.hidden_size * dtype_bytes / GIB,
         "CUDA context": CUDA_CONTEXT_GIB,
         # phases
+        "HF KV cache": hf_kv / GIB,
         "teacher pass": teacher_tokens * teacher_config.hidden_size * ACTIVATION_BYTES / GIB,
         "scoring pass": scoring / GIB,
         "loss chunk": (LOSS_CHUNK_ARRAYS * min(cfg.train.loss_chunk, tokens) * vocab * 4 + 2 * HEAD_BLOCK_BYTES) / GIB,
@@ -203,7 +211,12 @@ def memory_estimate(
 
 
 RESIDENT = ("teacher weights", "student weights + LoRA + AdamW", "vLLM share", "vLLM engine process", "kept teacher hidden states", "CUDA context")
-PHASES = {"teacher pass": ("teacher pass",), "scoring pass": ("scoring pass",), "local OPD": ("loss chunk", "student activations")}
+PHASES = {
+    "HF generation": ("HF KV cache",),
+    "teacher pass": ("teacher pass",),
+    "scoring pass": ("scoring pass",),
+    "local OPD": ("loss chunk", "student activations"),
+}
 
 
 def memory_need(parts: dict[str, float]) -> tuple[float, str]:

@@ -48,6 +48,9 @@ class GenerationProgress:
         pass
 
 
+BATCH = 32  # rollouts per generate call (HFRolloutEngine's default): its KV cache is one batch's
+
+
 class HFRolloutEngine(RolloutEngine):
     """Batched ``generate`` on the student :class:`fedopd.models.CausalLM` (LoRA unmerged).
 
@@ -57,7 +60,7 @@ class HFRolloutEngine(RolloutEngine):
     progress: Callable[[str], None] | None = None
     progress_every_s: float = 10.0
 
-    def __init__(self, student, batch_size: int = 32, stop_token_ids: Sequence[int] | None = None):
+    def __init__(self, student, batch_size: int = BATCH, stop_token_ids: Sequence[int] | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.student = student
