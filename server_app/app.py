@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
@@ -21,11 +22,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements, parse_run_config
-from fedopd.core.procinfo import rss_mb
 from fedopd.engine.templates import WARN as TEMPLATES_WARN
 from fedopd.engine.templates import run_chat_templates
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
-from fedopd.models.lora import from_record
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
@@ -33,13 +32,12 @@ from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
 from fedtops_strategy.privacy import PrivacyBudgetSpent, read_journal
 from fedtops_strategy.sampling import NodesNotConnected
 from server_app.error_lines import reason_line
-from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.grid import PromptGrid
 from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
-from server_app.progress import FIGURE, draw, run_summary, run_title
+from server_app.progress import run_summary
+from server_app.recorder import RoundRecorder
 from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config, read_status
 from server_app.tracking import Trackers, run_trackers
-from server_app.traffic import round_communication
 
 app = ServerApp()
 
@@ -128,6 +126,31 @@ def held_failure(server_round: int, held_rounds: int, max_held_rounds: int, reco
         f"({server_round - held_rounds + 1}-{server_round}, max-held-rounds = {max_held_rounds}); "
         f"in round {server_round}: {record.get('hold-reason', '?')}"
     )
+
+
+@dataclass
+class StopRules:
+    """The rules that end a run early, after each round's record: no valid update (in round 1, or
+    in ``max-failed-rounds`` consecutive rounds; never under privacy, :func:`max_failed_rounds`)
+    and ``max-held-rounds`` consecutive holds (:func:`held_round`)."""
+
+    max_failed_rounds: int
+    max_held_rounds: int
+    private: bool
+    failed_rounds: int = 0  # consecutive rounds without a valid client update
+    held_rounds: int = 0  # consecutive rounds that held
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, private: bool) -> StopRules:
+        return cls(max_failed_rounds(cfg, private), cfg.max_held_rounds, private)
+
+    def after(self, server_round: int, record: dict) -> RunFailed | None:
+        """Count ``server_round`` (its record); the error that ends the run after it, or None."""
+        self.failed_rounds = 0 if record.get("clients") else self.failed_rounds + 1
+        self.held_rounds = self.held_rounds + 1 if held_round(record, self.private) else 0
+        return no_update_failure(server_round, self.failed_rounds, self.max_failed_rounds, record) or held_failure(
+            server_round, self.held_rounds, self.max_held_rounds, record
+        )
 
 
 def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) -> tuple[RunFolder, int]:
@@ -318,90 +341,19 @@ def check_positions(cfg: RunConfig) -> None:
 
 
 def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
+    """Algorithm 1 from the round after ``done``: each round trains, scores (FedTOPS), is recorded
+    with its evaluation when due, and may end the run (:class:`StopRules`, the privacy budget)."""
     started_run = time.perf_counter()
     supports = capabilities(cfg.strategy.name)
-    per_client = supports.per_client_adapters
-    title = run_title(cfg.to_run_config())
-
-    def after_round(server_round: int, global_arrays: ArrayRecord, evaluate: bool = True, traffic: dict | None = None):
-        """Save the round's adapters, evaluate on the held-out prompts when due, write the record
-        (with ``traffic``, the bytes per node of the phases run so far, and the evaluation's)."""
-        traffic = dict(traffic or {})
-        if server_round == 0:
-            record = {"round": 0, "strategy": cfg.strategy.name}
-        else:
-            record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
-            record["seconds"] = time.perf_counter() - strategy.round_started
-            record["server-rss-mb"] = rss_mb()
-            record["excluded-node-ids"] = sorted({int(e["node-id"]) for e in record.get("excluded", [])})
-            if per_client:
-                for pid, named in strategy.client_adapters().items():
-                    run.save_adapter(server_round, named, client=pid)
-            else:
-                run.save_adapter(server_round, from_record(global_arrays))
-        if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
-            started = time.perf_counter()
-            record["evaluation"] = evaluate_round(
-                grid,
-                server_round,
-                lambda node: strategy.evaluation_arrays(node, global_arrays),
-                local_mean=per_client,
-                timeout=cfg.timeout.evaluate,
-                fraction=cfg.eval.fraction,
-                seed=cfg.seed,
-                num_partitions=strategy.num_partitions,
-                max_examples=cfg.eval.prompts_per_client,
-                # nodes that sit out this round, or the next one after a silence noted this round
-                skip=strategy.sitting_out(server_round) | strategy.sitting_out(server_round + 1),
-                on_silence=lambda asked, silent: strategy.note_timeouts(server_round, asked, silent),
-                required=(f"avg@{cfg.eval.samples}", f"pass@{cfg.eval.samples}"),
-            )
-            record["eval_seconds"] = time.perf_counter() - started
-            traffic["evaluate"] = grid.last_traffic
-        if traffic:
-            record["communication"] = round_communication(traffic)
-        if server_round > 0 or "evaluation" in record:
-            run.append_round(record)
-            run.write_status("running", server_round)
-            log(INFO, "%s", round_summary(record, cfg.num_server_rounds))
-            trackers.log_round(record)
-            try:
-                draw(read_rounds(run.path), run.path / FIGURE, title)
-            except Exception as err:  # noqa: BLE001 - a figure must never stop a run
-                log(WARNING, "could not draw %s: %s", run.path / FIGURE, err)
-
-    # The phases of Flower's Strategy.start (FedTOPS.start), from the round after the last complete
-    # one, with FedTOPS's score phase between train and evaluate and the app's own evaluation.
+    recorder = RoundRecorder(grid, cfg, strategy, run, trackers, supports.per_client_adapters)
+    stop_rules = StopRules.for_run(cfg, private=strategy.privacy is not None)
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
     if strategy.privacy is not None:
-        scores = supports.score_phase
-        unprotected = cfg.privacy.noise_multiplier == 0 or (scores and cfg.privacy.score_noise == 0)
-        log(WARNING if unprotected else INFO, "%s", strategy.privacy.describe(scores))
-        log(
-            INFO,
-            "the guarantee assumes that a client answers within timeout.train = %gs and timeout.score = %gs whatever the "
-            "other clients' data: clients that queue for one executor (fewer simulation actors than clients, a shared "
-            "worker-name) need deadlines well above the slowest honest round (docs/privacy.md)",
-            cfg.timeout.train,
-            cfg.timeout.score,
-        )
-        if cfg.timeout.skip_after:
-            log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
-        if cfg.max_failed_rounds:
-            log(
-                INFO,
-                "max-failed-rounds has no effect under privacy: a run that stopped because no update arrived would tell that "
-                "much; a round without updates releases θ_t plus noise (docs/privacy.md)",
-            )
-        if cfg.privacy.max_epsilon:
-            fit = strategy.privacy.rounds_within_budget(scores, cfg.num_server_rounds - done)
-            log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, cfg.num_server_rounds - done)
+        log_privacy_terms(cfg, strategy.privacy, supports.score_phase, cfg.num_server_rounds - done)
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
-        after_round(0, global_arrays)
-    failed_rounds = 0  # consecutive rounds without a valid client update
-    held_rounds = 0  # consecutive rounds that held (held_round)
+        recorder.record(0, global_arrays)
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         # The budget, before anything of the round is released (its releases are known in advance)
         stop = strategy.privacy.budget_stop(server_round, supports.score_phase) if strategy.privacy is not None else None
@@ -411,39 +363,64 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done
             _finish(run, cfg, started_run)
             return run.path
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
-        config = ConfigRecord({"run-dir": str(run.path.resolve())})
-        if server_round == done + 1 and done > 0:
-            config["resume-round"] = done  # clients restore their state of that round
-
-        # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
-        try:
-            messages = strategy.configure_train(server_round, global_arrays, config, grid)
-        except NodesNotConnected as err:
-            raise RunFailed(str(err)) from None
-        replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
-        traffic = {"train": grid.last_traffic}  # bytes per node and phase, for the round record
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
-
-        # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
-        if new_arrays is not None and supports.score_phase:
-            new_arrays, _ = strategy.score_phase(server_round, grid, cfg.timeout.score)
-            traffic["score"] = grid.last_traffic
-        if new_arrays is not None:
-            global_arrays = new_arrays
-
-        # evaluate when due; checkpoint and record the round
-        record = strategy.records.get(server_round, {})
-        failed_rounds = 0 if record.get("clients") else failed_rounds + 1
-        held_rounds = held_rounds + 1 if held_round(record, private=strategy.privacy is not None) else 0
-        failure = no_update_failure(server_round, failed_rounds, max_failed_rounds(cfg, strategy.privacy is not None), record) or held_failure(
-            server_round, held_rounds, cfg.max_held_rounds, record
-        )
-        after_round(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # the round is recorded, excluded reasons and all
+        resume_round = done if server_round == done + 1 and done > 0 else None
+        global_arrays, traffic = train_and_score(grid, cfg, strategy, run, server_round, global_arrays, resume_round, supports.score_phase)
+        failure = stop_rules.after(server_round, strategy.records.get(server_round, {}))
+        recorder.record(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # excluded reasons and all
         if failure is not None:
             raise failure
     run.write_status("completed", cfg.num_server_rounds)
     _finish(run, cfg, started_run)
     return run.path
+
+
+def train_and_score(
+    grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, server_round: int, theta: ArrayRecord, resume_round: int | None, score_phase: bool
+) -> tuple[ArrayRecord, dict]:
+    """One round's train and score phases: (θ_{t+1}, θ_t where the round holds; the bytes per
+    node of each phase, for the round record). ``resume_round``: the round the clients restore
+    their state of (the first round of a resumed run)."""
+    config = ConfigRecord({"run-dir": str(run.path.resolve())})
+    if resume_round is not None:
+        config["resume-round"] = resume_round
+    # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
+    try:
+        messages = strategy.configure_train(server_round, theta, config, grid)
+    except NodesNotConnected as err:
+        raise RunFailed(str(err)) from None
+    replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
+    traffic = {"train": grid.last_traffic}
+    new, _ = strategy.aggregate_train(server_round, replies)
+    # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
+    if new is not None and score_phase:
+        new, _ = strategy.score_phase(server_round, grid, cfg.timeout.score)
+        traffic["score"] = grid.last_traffic
+    return (theta if new is None else new), traffic
+
+
+def log_privacy_terms(cfg: RunConfig, privacy, score_phase: bool, rounds_left: int) -> None:
+    """What a private run's guarantee covers and assumes, and the keys it overrides, in the stream."""
+    unprotected = cfg.privacy.noise_multiplier == 0 or (score_phase and cfg.privacy.score_noise == 0)
+    log(WARNING if unprotected else INFO, "%s", privacy.describe(score_phase))
+    log(
+        INFO,
+        "the guarantee assumes that a client answers within timeout.train = %gs and timeout.score = %gs whatever the "
+        "other clients' data: clients that queue for one executor (fewer simulation actors than clients, a shared "
+        "worker-name) need deadlines well above the slowest honest round (docs/privacy.md)",
+        cfg.timeout.train,
+        cfg.timeout.score,
+    )
+    if cfg.timeout.skip_after:
+        log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
+    if cfg.max_failed_rounds:
+        log(
+            INFO,
+            "max-failed-rounds has no effect under privacy: a run that stopped because no update arrived would tell that "
+            "much; a round without updates releases θ_t plus noise (docs/privacy.md)",
+        )
+    if cfg.privacy.max_epsilon:
+        fit = privacy.rounds_within_budget(score_phase, rounds_left)
+        log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, rounds_left)
 
 
 def _finish(run: RunFolder, cfg: RunConfig, started_run: float) -> None:
