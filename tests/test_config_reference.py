@@ -1,5 +1,6 @@
-"""Documentation generated from the code stays true: the run-config reference in
-docs/configuration.md, and every run-config override a README command gives."""
+"""What is generated from the run config's declarations stays true: the reference in
+docs/configuration.md, pyproject's [tool.flwr.app.config], and every run-config override a README
+command gives."""
 
 import re
 import shlex
@@ -7,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fedopd.config import _KEYS, parse_run_config
-from fedopd.config.help import HELP
+from fedopd.config import _KEYS, HELP, parse_run_config
 from fedopd.config.presets import app_defaults, load_preset, overrides_from_args
-from fedopd.config.reference import PAGE, render_page, table
+from fedopd.config.reference import PAGE, PYPROJECT, app_config_table, render_page, render_pyproject, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +26,39 @@ def test_the_reference_in_docs_configuration_is_the_generated_one():
     assert render_page(page, table()) == page, "docs/configuration.md is stale: run python -m fedopd.config.reference --write"
     for key in _KEYS:  # one row per key, with its default
         assert f"| `{key}` |" in page
+
+
+def test_pyprojects_app_config_is_the_generated_one():
+    text = PYPROJECT.read_text()
+    assert render_pyproject(text, app_config_table()) == text, "pyproject.toml is stale: run python -m fedopd.config.reference --write"
+
+
+def test_a_field_declared_as_a_setting_is_a_key_of_its_dashed_path_with_its_help():
+    from dataclasses import dataclass
+
+    from fedopd.core.settings import _dashed, _int, _schema, setting
+
+    @dataclass(frozen=True)
+    class Group:
+        mini_batch: int = setting(4, _int(1), "rollouts per step")
+        not_a_key: int = 3
+
+    @dataclass(frozen=True)
+    class Config:
+        top_level: int = setting(1, _int(0), "a top-level key")
+        group: Group = Group()
+
+    found = {_dashed(path): f.metadata for path, f in _schema(Config)}
+    assert list(found) == ["top-level", "group.mini-batch"]
+    assert found["group.mini-batch"]["run-config help"] == "rollouts per step"
+
+
+def test_rendering_pyproject_replaces_only_its_app_config_table():
+    text = '[project]\nname = "x"\n\n[tool.flwr.app.config]\nold = 1\n\n[tool.other]\nkeep = true\n'
+    assert (
+        render_pyproject(text, "[tool.flwr.app.config]\nnew = 2\n")
+        == '[project]\nname = "x"\n\n[tool.flwr.app.config]\nnew = 2\n\n[tool.other]\nkeep = true\n'
+    )
 
 
 def test_the_generated_table_changes_with_the_schema():

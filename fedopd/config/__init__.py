@@ -13,6 +13,7 @@ from fedopd.core.settings import (
     AGGREGATORS,
     BACKENDS,
     DTYPES,
+    HELP,
     OPTIMIZER_STATES,
     PACKING,
     PARTITIONERS,
@@ -35,6 +36,7 @@ from fedopd.core.settings import (
 
 __all__ = [
     "_KEYS",
+    "HELP",
     "AGGREGATORS",
     "BACKENDS",
     "DTYPES",

@@ -1,5 +1,9 @@
 """The run configuration's shape: one frozen dataclass per key group, with the app's defaults,
-and the table of run-config keys with each one's type and allowed values.
+and the run-config keys, each declared once: a field made by :func:`setting` (its default, type,
+check, what it allows, one line of help) is the key of its dashed path (``train.mini_batch`` is
+``train.mini-batch``). The key table (:data:`_KEYS`), the help (:data:`HELP`), pyproject's
+``[tool.flwr.app.config]`` and docs/configuration.md's reference are derived from these fields
+(``python -m fedopd.config.reference --write``; ``tests/test_config_reference.py`` checks both files).
 
 Engine code receives the group it needs (``cfg.train``, ``cfg.cache``), never the flat dict.
 Parsing a run-config dict into a :class:`RunConfig`, the checks across keys and against the
@@ -10,8 +14,8 @@ nothing of the project, so every layer may use the settings' types.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -26,22 +30,61 @@ PRIVACY_SIDES = ("server", "client")
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
 
 
-# Defaults are the sandbox preset, identical to [tool.flwr.app.config] in pyproject.toml (a test
-# keeps them equal); the tiny preset and the paper's settings are presets in configs/.
+# ---------------------------------------------------------------------------------------------
+# The run-config keys: type, check and what is allowed (fedopd.config.parse applies them)
+# ---------------------------------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+Spec = tuple[type, Check, str]  # a key's type, its check, and what it allows (for error messages)
+SPEC, HELP_TEXT = "run-config spec", "run-config help"
+
+
+def setting(default: Any, spec: Spec, help: str) -> Any:
+    """A field that is a run-config key: its default, its :data:`Spec` and one line of help (the
+    meaning column of docs/configuration.md). The key is the field's path with dashes: field
+    ``mini_batch`` of ``RunConfig.train`` is ``train.mini-batch``."""
+    return field(default=default, metadata={SPEC: spec, HELP_TEXT: help})
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Spec:
+    desc = "an integer" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
+    return int, lambda v: (lo is None or v >= lo) and (hi is None or v <= hi), desc
+
+
+def _float(lo: float, *, strict: bool, hi: float | None = None) -> Spec:
+    op = ">" if strict else ">="
+    desc = f"a finite number {op} {lo}" + (f" and <= {hi}" if hi is not None else "")
+    return float, lambda v: math.isfinite(v) and (v > lo if strict else v >= lo) and (hi is None or v <= hi), desc
+
+
+def _bool() -> Spec:
+    return bool, lambda v: True, "true or false"
+
+
+def _choice(options: tuple[str, ...]) -> Spec:
+    return str, lambda v: v in options, "one of " + ", ".join(repr(o) for o in options)
+
+
+def _nonempty() -> Spec:
+    return str, lambda v: bool(v.strip()), "a non-empty string"
+
+
+# Defaults are the sandbox preset ([tool.flwr.app.config] in pyproject.toml is generated from them);
+# the tiny preset and the paper's settings are presets in configs/.
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    student: str = "builtin:sandbox-student"
-    teacher: str = "builtin:sandbox-teacher"
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
-    teacher_batch: int = 4  # sequences per teacher forward (memory beside the student and vLLM)
+    student: str = setting("builtin:sandbox-student", _nonempty(), "hub id, local folder, or built-in model (`builtin:sandbox-*`, `builtin:tiny-*`)")
+    teacher: str = setting("builtin:sandbox-teacher", _nonempty(), "hub id, local folder, or built-in model (`builtin:sandbox-*`, `builtin:tiny-*`)")
+    dtype: str = setting("auto", _choice(DTYPES), "`auto` (bf16 on GPU, fp32 on CPU), `float32`, `bfloat16`, `float16`")
+    teacher_batch: int = setting(4, _int(1), "sequences per teacher forward (GPU memory beside the student and vLLM)")
 
 
 @dataclass(frozen=True)
 class LoraSettings:
-    rank: int = 8
-    alpha: float = 16.0
+    rank: int = setting(8, _int(1), "LoRA on q/k/v/o/gate/up/down, dropout 0, PEFT default init")
+    alpha: float = setting(16.0, _float(0.0, strict=True), "LoRA on q/k/v/o/gate/up/down, dropout 0, PEFT default init")
     dropout: float = 0.0
     target_modules: tuple[str, ...] = (
         "q_proj",
@@ -56,65 +99,199 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class DataSettings:
-    name: str = "sandbox"
-    prompts_per_client: int = 256
-    max_prompt_tokens: int = 384  # the sandbox models have 512 positions (fedopd.positions); the paper: 2048
-    path: str = ""  # math: a local copy of EleutherAI/hendrycks_math ("" = the hub)
-    seed: int = 42  # the partition, the prompt pool and the held-out selection; never the training seed
-    partitioner: str = "groups"  # PARTITIONERS: groups = the set's own fixed groups (the paper's)
-    partition_by: str = "group"  # the column of dirichlet / natural partitioning
-    dirichlet_alpha: float = 0.5
-    split: str = "train"  # prompts: the split of data.path
-    problem_column: str = "problem"  # prompts: the problem text
-    answer_column: str = "answer"  # prompts: the gold answer (plain, or a solution with \\boxed{})
-    eval_path: str = ""  # prompts: held-out problems ("" = a seeded split of data.path)
-    eval_split: str = ""  # the split of eval_path ("" = split)
+    name: str = setting(
+        "sandbox",
+        (str, lambda v: bool(v.strip()), "a registered prompt set"),
+        "client prompt set: `sandbox`, `tiny-arith`, `math` (MATH), or `prompts` (your own files or hub dataset)",
+    )
+    prompts_per_client: int = setting(
+        256,
+        _int(1),
+        "`groups`: prompts each client holds; `iid` / `dirichlet` / `natural`: the pool is at most this × the number of clients, so it is the clients' mean size. A client's `num-examples` (its weight) is its partition's size",
+    )
+    max_prompt_tokens: int = setting(
+        384,
+        _int(1),
+        "longer chat-formatted prompts are dropped, not truncated; plus the longer response cap, at most the models' positions (checked before round 1)",
+    )
+    path: str = setting(
+        "",
+        (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for the set's own source"),
+        "`math`: local MATH files instead of the hub; `prompts`: a JSONL, JSON, Parquet or CSV file, a folder of them, or a hub dataset id",
+    )
+    seed: int = setting(
+        42,
+        _int(0),
+        "the partition, the prompt pool and the held-out problems (the paper's MATH partition uses 42); runs with other `seed`s keep them, so seeds differ only in training randomness",
+    )
+    partitioner: str = setting(
+        "groups",
+        _choice(PARTITIONERS),
+        "`groups` (the set's own fixed groups: the paper's three MATH subject groups, the sandbox's three skill groups), or a Flower Datasets partitioner: `iid`, `dirichlet`, `natural` (one client per value of `data.partition-by`). `sandbox` and `math` take all four, `prompts` the last three, `tiny-arith` only `groups`",
+    )
+    partition_by: str = setting(
+        "group",
+        _nonempty(),
+        "the column `dirichlet` and `natural` split by, and the mix `describe` prints (`group`: the sandbox skill group, the MATH subject)",
+    )
+    dirichlet_alpha: float = setting(0.5, _float(0.0, strict=True), "Dirichlet concentration; small values give skewed clients of unequal sizes")
+    split: str = setting("train", _nonempty(), "`prompts`: the split of `data.path`")
+    problem_column: str = setting(
+        "problem",
+        _nonempty(),
+        "`prompts`: the problem text and the gold answer (plain, or a solution whose last `\\boxed{}` is the answer; math-verify must parse every one)",
+    )
+    answer_column: str = setting(
+        "answer",
+        _nonempty(),
+        "`prompts`: the problem text and the gold answer (plain, or a solution whose last `\\boxed{}` is the answer; math-verify must parse every one)",
+    )
+    eval_path: str = setting(
+        "",
+        (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for a seeded split of data.path"),
+        '`prompts`: held-out problems; `""` = a seeded one-in-five split of `data.path` that never overlaps the training prompts. Each client\'s held-out problems follow its own mix over `data.partition-by`',
+    )
+    eval_split: str = setting(
+        "",
+        (str, lambda v: True, "a split name, or '' for data.split"),
+        '`prompts`: held-out problems; `""` = a seeded one-in-five split of `data.path` that never overlaps the training prompts. Each client\'s held-out problems follow its own mix over `data.partition-by`',
+    )
 
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    backend: str = "auto"
-    per_round: int = 32
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU
-    stop_tokens: str = "auto"  # auto: the student's and the teacher's EOS ids; else comma-separated token strings
+    backend: str = setting(
+        "auto",
+        _choice(BACKENDS),
+        "`hf`, `vllm`, or `auto` (vLLM where it is importable and CUDA is present, else HF); `vllm` also runs vLLM's CPU build (docs/vllm.md)",
+    )
+    per_round: int = setting(32, _int(1), "rollouts per client and round (one per prompt)")
+    max_new_tokens: int = setting(128, _int(1), "response cap (paper: 4096)")
+    temperature: float = setting(
+        1.0,
+        _float(0.0, strict=True),
+        "training sampling, exactly (no top-k, no penalties, whatever the model's generation config ships); with `rollout.backend` `vllm` or `auto` a temperature is at most 2 (vLLM's bound)",
+    )
+    top_p: float = setting(
+        1.0,
+        _float(0.0, strict=True, hi=1.0),
+        "training sampling, exactly (no top-k, no penalties, whatever the model's generation config ships); with `rollout.backend` `vllm` or `auto` a temperature is at most 2 (vLLM's bound)",
+    )
+    gpu_memory_utilization: float = setting(
+        0.3, _float(0.0, strict=True, hi=1.0), "vLLM's share of the GPU (its CPU build: of the host's memory; 0.1 suits the sandbox models)"
+    )
+    stop_tokens: str = setting(
+        "auto",
+        (
+            str,
+            lambda v: v.strip() == "auto" or all(t.strip() for t in v.split(",")),
+            "'auto' (the student's and the teacher's EOS ids) or a comma-separated list of token strings, e.g. '<|im_end|>,<|endoftext|>'",
+        ),
+        "where a response ends, on both engines: `auto` = every EOS id the student or the teacher declares (tokenizers, `config.json`, `generation_config.json`), so a Base student stops where the instruct teacher's chat turn ends (`<|im_end|>`); or a comma-separated list of tokens of the vocabulary",
+    )
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    lr: float = 3e-3
-    mini_batch: int = 4
-    micro_batch: int = 4
-    optimizer_state: str = "persistent"
+    lr: float = setting(3e-3, _float(0.0, strict=True), "AdamW peak learning rate, cosine decay over the run's local steps (paper: 3e-6 / 9e-6)")
+    mini_batch: int = setting(4, _int(1), "rollouts per optimizer step / per forward pass (paper: 8, 4)")
+    micro_batch: int = setting(4, _int(1), "rollouts per optimizer step / per forward pass (paper: 8, 4)")
+    optimizer_state: str = setting("persistent", _choice(OPTIMIZER_STATES), "keep AdamW state across rounds (`persistent`) or `reset` it")
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
-    gradient_checkpointing: bool = False  # recompute the student's layer activations in backward
+    gradient_checkpointing: bool = setting(False, _bool(), "recompute the student's layers in backward (on in the paper presets)")
     loss_chunk: int = 256  # positions per chunk of the OPD loss: its peak is ~7 fp32 (chunk × vocabulary) arrays (docs/performance.md)
-    packing: str = "auto"  # micro-batches packed (padding-free) or padded; auto: packed with flash-attention 2
-    exact_kl: bool = False  # also report kl_before / kl_after over all rollouts (two extra student passes)
-    loss: str = "reverse_kl"  # the per-token divergence (fedopd.distill.loss.DIVERGENCES); the paper's reverse KL
-    loss_beta: float = 0.5  # β of train.loss = 'jsd' (0 = forward KL, 1 = reverse KL)
+    packing: str = setting(
+        "auto",
+        _choice(PACKING),
+        "micro-batches `packed` (padding-free rows, position ids restarting per sequence) or `padded`; `auto` = packed exactly when the attention is flash-attention 2",
+    )
+    exact_kl: bool = setting(
+        False,
+        _bool(),
+        "also report `kl_before` / `kl_after`, the exact KL over all rollouts before and after the epoch (two extra student passes; the round line then shows it)",
+    )
+    loss: str = setting(
+        "reverse_kl",
+        (str, lambda v: bool(v.strip()), "a registered divergence"),
+        "the per-token divergence of local OPD: `reverse_kl` (the paper's), `forward_kl`, or `jsd` (GKD's generalized JSD, β = `train.loss-beta`; TRL's definition); the scoring cache's Ĵ and K̂ stay reverse KLs",
+    )
+    loss_beta: float = setting(
+        0.5,
+        _float(0.0, strict=False, hi=1.0),
+        "β of `train.loss = 'jsd'` (GKD's generalized JSD, TRL's definition): 0 = forward KL, 1 = reverse KL; no effect on the other divergences",
+    )
 
 
 @dataclass(frozen=True)
 class StrategySettings:
-    name: str = "fedtops"
-    multiplier: float = -1.0  # UNSET_MULTIPLIER: 'fixed' needs an explicit a >= 0
-    candidates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
-    trust_budget: float = 0.05
-    fraction_train: float = 1.0  # Flower's fraction_train: the share of connected nodes sampled per round
-    min_train_clients: int = 1  # Flower's min_train_nodes: the fewest nodes a round trains
+    name: str = setting(
+        "fedtops",
+        (str, lambda v: bool(v.strip()), "a registered strategy"),
+        "`fedavg`, `fixed`, `fedtops`, and the references `local`, `centralized`; `fedtops-se` and `fedtops-heldout-cache` are variants of the lr study ([docs/sandbox.md](sandbox.md#why-fedtops-trails-fedavg-at-the-large-learning-rate-pre-registered-study)), off by default",
+    )
+    multiplier: float = setting(
+        -1.0,
+        (
+            float,
+            lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER),
+            "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set",
+        ),
+        "a for `fixed`, which requires it (>= 0)",
+    )
+    candidates: tuple[float, ...] = setting(
+        (0.5, 1.0, 2.0, 3.0, 5.0, 10.0),
+        (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"),
+        "FedTOPS candidates, in tie-breaking order",
+    )
+    trust_budget: float = setting(
+        0.05,
+        (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"),
+        "δ (the paper's; the tiny preset uses 0.01); `inf`: no constraint, the lowest Ĵ wins. How to choose it: [docs/sandbox.md](sandbox.md#choosing-the-trust-budget-δ)",
+    )
+    fraction_train: float = setting(
+        1.0,
+        _float(0.0, strict=True, hi=1.0),
+        "Flower's `fraction_train`: the share of connected nodes each round samples to train (FedTOPS queries and weighs only those that trained; Centralized takes their combined rollouts; a Local client trains only when sampled). The draw depends only on `seed`, the round and the node ids",
+    )
+    min_train_clients: int = setting(1, _int(1), "Flower's `min_train_nodes`: the fewest nodes a round trains")
     # Robustness to clients the server does not control (docs/robustness.md); the defaults are the paper's.
-    aggregator: str = "fedavg"  # the average under fedavg, fixed and fedtops: Flower's FedAvg, FedMedian, FedTrimmedAvg, Krum, MultiKrum
-    trim_fraction: float = 0.2  # trimmed-mean (aggregator and score-aggregate): the share cut at each end
-    num_malicious: int = 0  # krum / multikrum: f, the nodes assumed malicious
-    clip_norm: float = 0.0  # 0 = off; else each update's norm is at most this × the round's median
-    max_weight: float = 0.0  # 0 = off; else each num-examples weight is at most this × the round's median
-    max_vetoes: int = 0  # a candidate stays feasible while at most this many clients' K̂ exceed δ (0: the paper's rule)
-    score_aggregate: str = "mean"  # Ĵ across clients: the num-examples-weighted mean (the paper's), median, trimmed-mean
+    aggregator: str = setting(
+        "fedavg",
+        _choice(AGGREGATORS),
+        "the average of client updates under `fedavg`, `fixed` and `fedtops`: `fedavg` (the num-examples-weighted mean, the paper's), or Flower's robust `median` (FedMedian), `trimmed-mean` (FedTrimmedAvg), `krum`, `multikrum`; what changes meaning: [docs/robustness.md](robustness.md#robust-aggregation)",
+    )
+    trim_fraction: float = setting(
+        0.2,
+        (float, lambda v: 0.0 <= v < 0.5, "a number >= 0 and < 0.5"),
+        "the share of values cut at each end by `trimmed-mean` (the aggregator's β, and the score aggregate's)",
+    )
+    num_malicious: int = setting(
+        0, _int(0), "f of `krum` / `multikrum`: the nodes assumed malicious (MultiKrum averages the n − f best-scored updates)"
+    )
+    clip_norm: float = setting(
+        0.0,
+        (float, lambda v: v == 0 or (math.isfinite(v) and v >= 1), "0 (off), or a finite number >= 1 (a multiple of the round's median update norm)"),
+        "0 = off; c >= 1: each client's update θ_i − θ_t (in LoRA-factor coordinates) is scaled down to at most c × the round's median update norm before averaging",
+    )
+    max_weight: float = setting(
+        0.0,
+        (
+            float,
+            lambda v: v == 0 or (math.isfinite(v) and v >= 1),
+            "0 (off), or a finite number >= 1 (a multiple of the round's median num-examples)",
+        ),
+        "0 = off; c >= 1: each client's `num-examples` weight (in the average and in Ĵ) is at most c × the round's median",
+    )
+    max_vetoes: int = setting(
+        0, _int(0), "FedTOPS: a candidate stays feasible while at most this many clients' K̂ exceed δ; 0 = every client must agree (the paper's rule)"
+    )
+    score_aggregate: str = setting(
+        "mean",
+        _choice(SCORE_AGGREGATES),
+        "FedTOPS's Ĵ across clients: `mean` (num-examples-weighted, the paper's), `median`, or `trimmed-mean` (cut `strategy.trim-fraction` at each end)",
+    )
 
 
 @dataclass(frozen=True)
@@ -122,38 +299,86 @@ class PrivacySettings:
     """Central differential privacy of the released adapters and FedTOPS's score channel
     (docs/privacy.md). ``clipping = 'off'``: none, and the other keys must keep their defaults."""
 
-    clipping: str = "off"  # off | fixed | adaptive: Flower's DifferentialPrivacy{Server,Client}Side{Fixed,Adaptive}Clipping
-    side: str = "server"  # where updates are clipped: the server, or each client (Flower's clipping mod on the ClientApp)
-    clip_norm: float = 1.0  # C: the L2 bound of one client's update in LoRA-factor space (adaptive: the initial C)
-    noise_multiplier: float = 1.0  # z: Gaussian noise of std z·C/m on the mean of the m clipped updates
-    target_quantile: float = 0.5  # adaptive: the share of updates meant to fall under C
-    clip_norm_lr: float = 0.2  # adaptive: the geometric step of C per round
-    clipped_count_stddev: float = 0.0  # adaptive: the noise on the count of unclipped updates; 0 = Flower's m/20
-    score_noise: float = 1.0  # FedTOPS: the noise multiplier of the score channel (Ĵ_i, K̂_i)
-    teacher_score_max: float = 1.0  # FedTOPS: Ĵ_i(a) is clipped to [0, this] (nats per cached position)
-    change_score_max: float = 0.1  # FedTOPS: K̂_i(a) is clipped to [0, this]; must exceed strategy.trust-budget
-    delta: float = 1e-5  # δ_DP at which ε is reported
-    max_epsilon: float = 0.0  # 0 = no budget; else the run stops before a round whose releases would take ε above this
+    clipping: str = setting(
+        "off",
+        _choice(PRIVACY_CLIPPING),
+        "central differential privacy (add-or-remove-one client) of the released adapters (docs/privacy.md): `off`, or `fixed` / `adaptive` clipping (Andrew et al.) of each client's LoRA-factor update with Gaussian noise on their sum over a fixed n; needs `num-clients`; fedavg, fixed and fedtops with `strategy.aggregator = 'fedavg'`",
+    )
+    side: str = setting(
+        "server",
+        _choice(PRIVACY_SIDES),
+        "where updates are clipped: `server`, or `client` (the ClientApp's clipping mod; the server clips again at C, and under adaptive clipping leaves out a reply whose norm bit its update's norm contradicts)",
+    )
+    clip_norm: float = setting(
+        1.0,
+        _float(0.0, strict=True),
+        "C, the L2 bound of one client's update θ_i − θ_t over all LoRA factors (adaptive: the first round's C); the noise on the mean has std noise-multiplier × C / n, n the clients a round asks when `num-clients` are connected",
+    )
+    noise_multiplier: float = setting(
+        1.0,
+        _float(0.0, strict=False),
+        "z, the Gaussian noise multiplier of the update (adaptive: of the update and the centred clipped count together, z⁻² = z_Δ⁻² + (2σ_b)⁻²); 0 = clipping only, ε = ∞",
+    )
+    target_quantile: float = setting(0.5, _float(0.0, strict=False, hi=1.0), "adaptive clipping: the share of updates meant to fall under C")
+    clip_norm_lr: float = setting(
+        0.2, _float(0.0, strict=True), "adaptive clipping: C moves by exp(−lr × (noisy unclipped share − target)) per round"
+    )
+    clipped_count_stddev: float = setting(
+        0.0,
+        _float(0.0, strict=False),
+        "adaptive clipping: σ_b, the noise std on the centred count of unclipped updates; 0 = n/20 (Andrew et al.); it must exceed noise-multiplier / 2",
+    )
+    score_noise: float = setting(
+        1.0,
+        _float(0.0, strict=False),
+        "FedTOPS: σ_s, the noise multiplier of the score channel: one row per client asked (a fixed public row for one without valid scores), its clipped Ĵ_i(a) and K̂_i(a) with noise of std σ_s·√(2k)·(their range), k candidates; 0 = unprotected scores, ε = ∞",
+    )
+    teacher_score_max: float = setting(
+        1.0, _float(0.0, strict=True), "FedTOPS under privacy: Ĵ_i(a) is clipped to [0, this] (nats per cached position) before its noise"
+    )
+    change_score_max: float = setting(
+        0.1,
+        _float(0.0, strict=True),
+        "FedTOPS under privacy: K̂_i(a) is clipped to [0, this] before its noise; must exceed `strategy.trust-budget` (values above δ are infeasible anyway)",
+    )
+    delta: float = setting(
+        1e-5,
+        (float, lambda v: 0.0 < v < 1.0, "a number > 0 and < 1"),
+        "δ_DP at which ε is reported after every round (round record `privacy`, the stream, the summary)",
+    )
+    max_epsilon: float = setting(
+        0.0,
+        (float, lambda v: v == 0 or (v > 0 and math.isfinite(v)), "0 (no budget), or a finite number > 0"),
+        "a privacy budget: the run stops (status `budget-spent`) before a round whose releases would take ε at `privacy.delta` above this (the tighter of RDP and PLD); 0 = none; may change on resume",
+    )
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    rollouts: int = 4
-    positions: int = 16
-    top_k: int = 16
+    rollouts: int = setting(4, _int(1), "scoring cache per client (built only for FedTOPS)")
+    positions: int = setting(16, _int(1), "scoring cache per client (built only for FedTOPS)")
+    top_k: int = setting(16, _int(1), "scoring cache per client (built only for FedTOPS)")
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     """Held-out evaluation inside the round: greedy accuracy and Avg@k / Pass@k."""
 
-    every: int = 4  # 0 = never; else rounds 0, every, 2*every, ... and the last round
-    prompts_per_client: int = 32
-    samples: int = 8  # k of Avg@k and Pass@k
-    temperature: float = 1.0  # the paper's evaluation sampling
-    top_p: float = 0.8
-    max_new_tokens: int = 128
-    fraction: float = 1.0  # share of the connected nodes that evaluate (sampled per evaluation round)
+    every: int = setting(4, _int(0), "held-out evaluation in rounds 0, every, 2·every, … and the last; 0 = never (paper presets)")
+    prompts_per_client: int = setting(32, _int(1), "held-out problems per client")
+    samples: int = setting(8, _int(1), "k of Avg@k / Pass@k and the paper's evaluation sampling (greedy accuracy is separate)")
+    temperature: float = setting(
+        1.0, _float(0.0, strict=True), "k of Avg@k / Pass@k and the paper's evaluation sampling (greedy accuracy is separate)"
+    )
+    top_p: float = setting(
+        0.8, _float(0.0, strict=True, hi=1.0), "k of Avg@k / Pass@k and the paper's evaluation sampling (greedy accuracy is separate)"
+    )
+    max_new_tokens: int = setting(128, _int(1), "evaluation response cap")
+    fraction: float = setting(
+        1.0,
+        _float(0.0, strict=True, hi=1.0),
+        "share of the connected nodes that evaluate in an evaluation round (sampled per round; the aggregate stays `num-examples`-weighted)",
+    )
 
 
 @dataclass(frozen=True)
@@ -162,30 +387,80 @@ class TimeoutSettings:
     that has not answered by then is left out of that phase of the round (recorded in
     ``excluded``); the round goes on with the others."""
 
-    train: float = 3600.0
-    score: float = 600.0
-    evaluate: float = 3600.0
-    start: float = 3600.0  # the longest a round waits for the nodes it needs to be connected; then the run fails
-    skip_after: int = 2  # a node that timed out in this many consecutive rounds sits out as many rounds; 0 = never
+    train: float = setting(
+        3600.0,
+        _float(0.0, strict=True),
+        "seconds the server waits for the clients' replies in each phase, and each message's time to live (Flower's TTL: a node that gets it later does not run it); a client that has not answered is left out of that phase of the round (recorded in `excluded`), the round goes on with the others",
+    )
+    score: float = setting(
+        600.0,
+        _float(0.0, strict=True),
+        "seconds the server waits for the clients' replies in each phase, and each message's time to live (Flower's TTL: a node that gets it later does not run it); a client that has not answered is left out of that phase of the round (recorded in `excluded`), the round goes on with the others",
+    )
+    evaluate: float = setting(
+        3600.0,
+        _float(0.0, strict=True),
+        "seconds the server waits for the clients' replies in each phase, and each message's time to live (Flower's TTL: a node that gets it later does not run it); a client that has not answered is left out of that phase of the round (recorded in `excluded`), the round goes on with the others",
+    )
+    start: float = setting(
+        3600.0,
+        _float(0.0, strict=True),
+        "seconds a round waits for the nodes it needs (round 1: `num-clients`; later: `strategy.min-train-clients`) to be connected; then the run fails, saying how many it saw (Flower alone waits forever)",
+    )
+    skip_after: int = setting(
+        2,
+        _int(0),
+        "a node that did not answer in time (train or score) in this many consecutive rounds sits out as many rounds of sampling and evaluation, then is asked again; one answer clears it. Recorded as `skipped-node-ids`. 0 = never skip",
+    )
 
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    tensorboard: bool = False  # also write the per-round scalars to <run folder>/tensorboard
-    wandb: bool = False  # also send them, the config and the final status to Weights & Biases (WANDB_* env vars)
-    mlflow: bool = False  # also send them, the config and the final status to MLflow (MLFLOW_* env vars)
+    tensorboard: bool = setting(
+        False, _bool(), "also write the round scalars as TensorBoard events to the run folder's `tensorboard/` (needs the `tensorboard` package)"
+    )
+    wandb: bool = setting(
+        False,
+        _bool(),
+        "also send the round scalars (step = round), the run config and the run's final status to Weights & Biases, run name = the run folder's name; where to from `WANDB_PROJECT` (default `fedtops`), `WANDB_MODE` (`offline`: files only), `WANDB_DIR`, `WANDB_API_KEY`; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
+    )
+    mlflow: bool = setting(
+        False,
+        _bool(),
+        "also send the round scalars (step = round), the run config (params) and the run's final status to MLflow, run name = the run folder's name; where to from `MLFLOW_TRACKING_URI` (e.g. `sqlite:///mlflow.db`) and `MLFLOW_EXPERIMENT_NAME` (default `fedtops`); a tracker that fails is warned about and dropped, the run goes on (needs the `mlflow` extra; docs/tracking.md)",
+    )
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    num_server_rounds: int = 8
-    num_clients: int = 0  # 0: every node connected when the run starts
-    max_failed_rounds: int = 3  # stop the run (failed) after this many consecutive rounds without a valid update; 0 = never
-    max_held_rounds: int = 0  # stop the run (failed) after this many consecutive held rounds (a = 0); 0 = never
-    seed: int = 42
-    output_dir: str = "runs"
-    resume_from: str = ""  # a run folder to continue; "" = a new run
-    preset: str = "sandbox"
+    num_server_rounds: int = setting(8, _int(1), "rounds of the run")
+    num_clients: int = setting(
+        0,
+        _int(0),
+        "clients in the run; 0 = every node connected when the run starts, n = wait for n nodes before round 1 (set it when deploying). Each round trains the `strategy.fraction-train` share of them",
+    )
+    seed: int = setting(
+        42,
+        _int(0),
+        "every training random choice (initial adapter, prompt order, sampling, cache rollouts) derives from it, the round and the partition id",
+    )
+    max_failed_rounds: int = setting(
+        3,
+        _int(0),
+        "the run stops as `failed` when no client returns a valid update in round 1 or in this many consecutive rounds, with the clients' own error messages; 0 = never; no effect under privacy, where the run's length must not depend on who answered (docs/privacy.md)",
+    )
+    max_held_rounds: int = setting(
+        0,
+        _int(0),
+        "the run stops as `failed` after this many consecutive rounds that held (a = 0: no feasible candidate, or a non-finite adapter), naming the nodes that vetoed a = 1; 0 = never (the paper's rule may hold as long as it needs)",
+    )
+    output_dir: str = setting("runs", _nonempty(), "where run folders go")
+    resume_from: str = setting(
+        "",
+        (str, lambda v: True, "a run folder to continue, or '' for a new run"),
+        'a run folder to continue ([docs/run-folder.md](run-folder.md#resuming-a-stopped-run)); `""` = a new run',
+    )
+    preset: str = setting("sandbox", _nonempty(), "a label recorded with the run")
     model: ModelSettings = ModelSettings()
     lora: LoraSettings = LoraSettings()
     data: DataSettings = DataSettings()
@@ -233,154 +508,23 @@ class RunConfig:
         return per_round, steps, steps * self.num_server_rounds
 
 
-# ---------------------------------------------------------------------------------------------
-# The run-config keys: type, check and what is allowed (fedopd.config.parse applies them)
-# ---------------------------------------------------------------------------------------------
-
-Check = Callable[[Any], bool]
-
-
-def _int(lo: int | None = None, hi: int | None = None) -> tuple[type, Check, str]:
-    desc = "an integer" + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
-    return int, lambda v: (lo is None or v >= lo) and (hi is None or v <= hi), desc
+def _schema(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Field]]:
+    """(attribute path, field) of every run-config key under ``cls``, in declaration order."""
+    for f in fields(cls):
+        if SPEC in f.metadata:
+            yield (*prefix, f.name), f
+        elif is_dataclass(f.default):
+            yield from _schema(type(f.default), (*prefix, f.name))
 
 
-def _float(lo: float, *, strict: bool, hi: float | None = None) -> tuple[type, Check, str]:
-    op = ">" if strict else ">="
-    desc = f"a finite number {op} {lo}" + (f" and <= {hi}" if hi is not None else "")
-    return float, lambda v: math.isfinite(v) and (v > lo if strict else v >= lo) and (hi is None or v <= hi), desc
+def _dashed(path: tuple[str, ...]) -> str:
+    return ".".join(part.replace("_", "-") for part in path)
 
 
-def _bool() -> tuple[type, Check, str]:
-    return bool, lambda v: True, "true or false"
-
-
-def _choice(options: tuple[str, ...]) -> tuple[type, Check, str]:
-    return str, lambda v: v in options, "one of " + ", ".join(repr(o) for o in options)
-
-
-def _nonempty() -> tuple[type, Check, str]:
-    return str, lambda v: bool(v.strip()), "a non-empty string"
-
-
-# run-config key -> (attribute path, (type, check, allowed))
-_KEYS: dict[str, tuple[tuple[str, ...], tuple[type, Check, str]]] = {}
-
-
-def _key(key: str, path: str, spec: tuple[type, Check, str]) -> None:
-    _KEYS[key] = (tuple(path.split(".")), spec)
-
-
-_key("num-server-rounds", "num_server_rounds", _int(1))
-_key("num-clients", "num_clients", _int(0))
-_key("seed", "seed", _int(0))
-_key("max-failed-rounds", "max_failed_rounds", _int(0))
-_key("max-held-rounds", "max_held_rounds", _int(0))
-_key("output-dir", "output_dir", _nonempty())
-_key("resume-from", "resume_from", (str, lambda v: True, "a run folder to continue, or '' for a new run"))
-_key("preset", "preset", _nonempty())
-_key("model.student", "model.student", _nonempty())
-_key("model.teacher", "model.teacher", _nonempty())
-_key("model.dtype", "model.dtype", _choice(DTYPES))
-_key("model.teacher-batch", "model.teacher_batch", _int(1))
-_key("lora.rank", "lora.rank", _int(1))
-_key("lora.alpha", "lora.alpha", _float(0.0, strict=True))
-_key("data.name", "data.name", (str, lambda v: bool(v.strip()), "a registered prompt set"))  # fedopd.config checks the registry
-_key("data.prompts-per-client", "data.prompts_per_client", _int(1))
-_key("data.max-prompt-tokens", "data.max_prompt_tokens", _int(1))
-_key("data.path", "data.path", (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for the set's own source"))
-_key("data.seed", "data.seed", _int(0))
-_key("data.partitioner", "data.partitioner", _choice(PARTITIONERS))
-_key("data.partition-by", "data.partition_by", _nonempty())
-_key("data.dirichlet-alpha", "data.dirichlet_alpha", _float(0.0, strict=True))
-_key("data.split", "data.split", _nonempty())
-_key("data.problem-column", "data.problem_column", _nonempty())
-_key("data.answer-column", "data.answer_column", _nonempty())
-_key("data.eval-path", "data.eval_path", (str, lambda v: True, "a local file or folder, a hub dataset id, or '' for a seeded split of data.path"))
-_key("data.eval-split", "data.eval_split", (str, lambda v: True, "a split name, or '' for data.split"))
-_key("rollout.backend", "rollout.backend", _choice(BACKENDS))
-_key("rollout.per-round", "rollout.per_round", _int(1))
-_key("rollout.max-new-tokens", "rollout.max_new_tokens", _int(1))
-_key("rollout.temperature", "rollout.temperature", _float(0.0, strict=True))
-_key("rollout.top-p", "rollout.top_p", _float(0.0, strict=True, hi=1.0))
-_key("rollout.gpu-memory-utilization", "rollout.gpu_memory_utilization", _float(0.0, strict=True, hi=1.0))
-_key(
-    "rollout.stop-tokens",
-    "rollout.stop_tokens",
-    (
-        str,
-        lambda v: v.strip() == "auto" or all(t.strip() for t in v.split(",")),
-        "'auto' (the student's and the teacher's EOS ids) or a comma-separated list of token strings, e.g. '<|im_end|>,<|endoftext|>'",
-    ),
-)
-_key("train.lr", "train.lr", _float(0.0, strict=True))
-_key("train.mini-batch", "train.mini_batch", _int(1))
-_key("train.micro-batch", "train.micro_batch", _int(1))
-_key("train.optimizer-state", "train.optimizer_state", _choice(OPTIMIZER_STATES))
-_key("train.gradient-checkpointing", "train.gradient_checkpointing", _bool())
-_key("train.packing", "train.packing", _choice(PACKING))
-_key("train.exact-kl", "train.exact_kl", _bool())
-_key("train.loss", "train.loss", (str, lambda v: bool(v.strip()), "a registered divergence"))  # fedopd.config checks the registry
-_key("train.loss-beta", "train.loss_beta", _float(0.0, strict=False, hi=1.0))
-_key("strategy.name", "strategy.name", (str, lambda v: bool(v.strip()), "a registered strategy"))  # fedopd.config checks the registry
-_key(
-    "strategy.multiplier",
-    "strategy.multiplier",
-    (float, lambda v: math.isfinite(v) and (v >= 0 or v == UNSET_MULTIPLIER), "a finite number >= 0 (the multiplier a of 'fixed'), or -1 = not set"),
-)
-_key(
-    "strategy.candidates",
-    "strategy.candidates",
-    (str, lambda v: True, "a comma-separated list of distinct finite numbers >= 0, e.g. '0.5,1,2,3,5,10'"),
-)
-_key("strategy.trust-budget", "strategy.trust_budget", (float, lambda v: v >= 0, "a number >= 0, or inf for no trust constraint (the lowest Ĵ wins)"))
-_key("strategy.fraction-train", "strategy.fraction_train", _float(0.0, strict=True, hi=1.0))
-_key("strategy.min-train-clients", "strategy.min_train_clients", _int(1))
-_key("strategy.aggregator", "strategy.aggregator", _choice(AGGREGATORS))
-_key("strategy.trim-fraction", "strategy.trim_fraction", (float, lambda v: 0.0 <= v < 0.5, "a number >= 0 and < 0.5"))
-_key("strategy.num-malicious", "strategy.num_malicious", _int(0))
-_key(
-    "strategy.clip-norm",
-    "strategy.clip_norm",
-    (float, lambda v: v == 0 or (math.isfinite(v) and v >= 1), "0 (off), or a finite number >= 1 (a multiple of the round's median update norm)"),
-)
-_key(
-    "strategy.max-weight",
-    "strategy.max_weight",
-    (float, lambda v: v == 0 or (math.isfinite(v) and v >= 1), "0 (off), or a finite number >= 1 (a multiple of the round's median num-examples)"),
-)
-_key("strategy.max-vetoes", "strategy.max_vetoes", _int(0))
-_key("strategy.score-aggregate", "strategy.score_aggregate", _choice(SCORE_AGGREGATES))
-_key("cache.rollouts", "cache.rollouts", _int(1))
-_key("cache.positions", "cache.positions", _int(1))
-_key("cache.top-k", "cache.top_k", _int(1))
-_key("eval.every", "eval.every", _int(0))
-_key("eval.prompts-per-client", "eval.prompts_per_client", _int(1))
-_key("eval.samples", "eval.samples", _int(1))
-_key("eval.temperature", "eval.temperature", _float(0.0, strict=True))
-_key("eval.top-p", "eval.top_p", _float(0.0, strict=True, hi=1.0))
-_key("eval.max-new-tokens", "eval.max_new_tokens", _int(1))
-_key("eval.fraction", "eval.fraction", _float(0.0, strict=True, hi=1.0))
-_key("timeout.train", "timeout.train", _float(0.0, strict=True))
-_key("timeout.score", "timeout.score", _float(0.0, strict=True))
-_key("timeout.evaluate", "timeout.evaluate", _float(0.0, strict=True))
-_key("timeout.start", "timeout.start", _float(0.0, strict=True))
-_key("timeout.skip-after", "timeout.skip_after", _int(0))
-_key("logging.tensorboard", "logging.tensorboard", _bool())
-_key("logging.wandb", "logging.wandb", _bool())
-_key("logging.mlflow", "logging.mlflow", _bool())
-_key("privacy.clipping", "privacy.clipping", _choice(PRIVACY_CLIPPING))
-_key("privacy.side", "privacy.side", _choice(PRIVACY_SIDES))
-_key("privacy.clip-norm", "privacy.clip_norm", _float(0.0, strict=True))
-_key("privacy.noise-multiplier", "privacy.noise_multiplier", _float(0.0, strict=False))
-_key("privacy.target-quantile", "privacy.target_quantile", _float(0.0, strict=False, hi=1.0))
-_key("privacy.clip-norm-lr", "privacy.clip_norm_lr", _float(0.0, strict=True))
-_key("privacy.clipped-count-stddev", "privacy.clipped_count_stddev", _float(0.0, strict=False))
-_key("privacy.score-noise", "privacy.score_noise", _float(0.0, strict=False))
-_key("privacy.teacher-score-max", "privacy.teacher_score_max", _float(0.0, strict=True))
-_key("privacy.change-score-max", "privacy.change_score_max", _float(0.0, strict=True))
-_key("privacy.delta", "privacy.delta", (float, lambda v: 0.0 < v < 1.0, "a number > 0 and < 1"))
-_key("privacy.max-epsilon", "privacy.max_epsilon", (float, lambda v: v == 0 or (v > 0 and math.isfinite(v)), "0 (no budget), or a finite number > 0"))
+# run-config key -> (attribute path, (type, check, allowed)), and its one line of help (the
+# meaning column of docs/configuration.md), from the fields' declarations above
+_KEYS: dict[str, tuple[tuple[str, ...], Spec]] = {_dashed(path): (path, f.metadata[SPEC]) for path, f in _schema(RunConfig)}
+HELP: dict[str, str] = {_dashed(path): f.metadata[HELP_TEXT] for path, f in _schema(RunConfig)}
 
 RUN_CONFIG_KEYS = tuple(_KEYS)
 
