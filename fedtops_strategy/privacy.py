@@ -50,6 +50,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
 
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import PrivacySettings
+from fedopd.core.strategies import clients_per_round
 from fedopd.models.lora import Named
 from fedtops_strategy.bounds import update_norm
 
@@ -79,9 +80,9 @@ class PrivacyBudgetSpent(RuntimeError):
 
 def private_denominator(num_clients: int, fraction_train: float, min_train_clients: int) -> int:
     """n, the fixed public denominator of the private mean: the clients a round asks when the
-    declared ``num_clients`` are connected (Flower's FedAvg sample size; never a count of who
-    connected or replied)."""
-    return max(1, int(fraction_train * num_clients), min(min_train_clients, num_clients))
+    declared ``num_clients`` are connected (Flower's FedAvg sample size,
+    :func:`fedopd.core.strategies.clients_per_round`; never a count of who connected or replied)."""
+    return clients_per_round(num_clients, fraction_train, min_train_clients)
 
 
 def clip_update(theta: Named, arrays: Named, clip_norm: float, norm: float | None = None) -> tuple[Named, bool]:

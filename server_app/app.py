@@ -21,7 +21,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_server_requirements, parse_run_config
+from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_aggregator, check_server_requirements, parse_run_config
+from fedopd.core.strategies import clients_per_round
 from fedopd.engine.templates import WARN as TEMPLATES_WARN
 from fedopd.engine.templates import run_chat_templates
 from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal_lm, resolve_model_path
@@ -203,6 +204,12 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     # client holds at most the whole prompt pool (data.prompts-per-client per client). With
     # num-clients = 0 (the nodes connected at the start, a count that can be short of the
     # federation's while nodes still register) there are no upper bounds to check against.
+    if not cfg.num_clients:  # the run trains the nodes connected now: the aggregator's breakdown point against them
+        try:
+            check_aggregator(cfg, clients_per_round(num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients))
+        except ConfigError as err:
+            log(ERROR, "FedTOPS: invalid run config for %d connected nodes, nothing was run or written: %s", num_clients, err)
+            raise
     strategy = make_strategy(
         cfg.strategy,
         num_clients=num_clients,

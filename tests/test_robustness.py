@@ -16,6 +16,9 @@ import re
 import numpy as np
 import pytest
 from flwr.app import Message, MetricRecord, RecordDict
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from test_strategies import THETA, FakeGrid, _common, _record, _run, message
 
 from fedopd.config import ConfigError, StrategySettings, TimeoutSettings, parse_run_config
@@ -478,3 +481,69 @@ def test_a_trimmed_mean_that_cuts_nobody_in_a_round_says_so(caplog):
         RobustMean(FedTrimmedAvg(beta=0.34)).average(5, updates, theta)  # floor(0.34 × 3) = 1
     warned = [r.getMessage() for r in caplog.records if "cuts none" in r.getMessage()]
     assert warned == ["round 4: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it is the plain mean"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Robust aggregators keep their breakdown point, or the run is refused before round 1
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        # Krum (Blanchard et al., 2017) needs n >= 2f + 3: 3 clients tolerate f = 0 only
+        (
+            {"num-clients": 3, "strategy.aggregator": "krum", "strategy.num-malicious": 1},
+            "'strategy.num-malicious' = 1 is invalid: 'krum' tolerates f arbitrary updates of n only when n >= 2f + 3 "
+            "(Blanchard et al., 2017), and a round averages 3; allowed: at most 0, or at least 5 clients per round",
+        ),
+        # Multi-Krum keeps n - f updates: f = 0 keeps them all, the plain mean
+        ({"num-clients": 9, "strategy.aggregator": "multikrum"}, "'strategy.num-malicious' = 0 is invalid: 'multikrum' with f = 0 averages all n"),
+        # 6 clients tolerate f <= 1 (6 >= 2 + 3, 6 < 4 + 3)
+        (
+            {"num-clients": 6, "strategy.aggregator": "multikrum", "strategy.num-malicious": 2},
+            "and a round averages 6; allowed: at most 1, or at least 7 clients per round",
+        ),
+        # a fraction of the clients: int(0.5 x 10) = 5 per round, so f = 2 needs 7
+        ({"num-clients": 10, "strategy.fraction-train": 0.5, "strategy.aggregator": "krum", "strategy.num-malicious": 2}, "a round averages 5;"),
+        (
+            {"num-clients": 2, "strategy.aggregator": "median"},
+            "'strategy.aggregator' = 'median' is invalid: 'median' of 2 update(s) per round is their mean",
+        ),
+    ],
+)
+def test_a_robust_aggregator_that_cannot_keep_its_breakdown_point_is_refused(settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_run_config(settings)
+
+
+@hypothesis_settings(max_examples=120, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(aggregator=st.sampled_from(["median", "krum", "multikrum"]), clients=st.integers(1, 40), malicious=st.integers(0, 20))
+def test_an_aggregator_is_accepted_exactly_where_its_breakdown_rule_holds(aggregator, clients, malicious):
+    """Median: at least 3 per round; Krum: n >= 2f + 3; Multi-Krum: that and f >= 1 (every client trains)."""
+    holds = {"median": clients >= 3, "krum": clients >= 2 * malicious + 3, "multikrum": malicious >= 1 and clients >= 2 * malicious + 3}[aggregator]
+    settings = {"num-clients": clients, "strategy.aggregator": aggregator}
+    if aggregator != "median":
+        settings["strategy.num-malicious"] = malicious
+    elif malicious:
+        return  # num-malicious is Krum's alone (refused otherwise, tested above)
+    try:
+        parse_run_config(settings)
+        accepted = True
+    except ConfigError as err:
+        assert "strategy.aggregator" in str(err) or "strategy.num-malicious" in str(err)
+        accepted = False
+    assert accepted == holds
+
+
+def test_the_serverapp_checks_the_aggregator_against_the_nodes_connected_when_num_clients_is_0(tmp_path):
+    """num-clients = 0 trains the nodes connected at the start: with 3, Krum cannot take f = 1,
+    and nothing is written."""
+    from conftest import TINY_RUN
+
+    from server_app.inprocess import run_in_process
+
+    config = {**TINY_RUN, "output-dir": str(tmp_path / "runs"), "strategy.aggregator": "krum", "strategy.num-malicious": 1}
+    with pytest.raises(ConfigError, match=re.escape("'strategy.num-malicious' = 1 is invalid: 'krum' tolerates")):
+        run_in_process(config, num_clients=3)
+    assert not (tmp_path / "runs").exists()

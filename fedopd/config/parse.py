@@ -18,7 +18,7 @@ from typing import Any
 
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig
-from fedopd.core.strategies import CAPABILITIES, capabilities
+from fedopd.core.strategies import CAPABILITIES, aggregator_problem, capabilities, clients_per_round
 from fedopd.data.registry import DATASETS as PROMPT_SETS
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
@@ -194,9 +194,20 @@ def _only_defaults(settings: Any, keys: tuple[tuple[str, str], ...], why: str, i
 def _clients_per_round(cfg: RunConfig) -> int:
     """The clients a round trains when ``num-clients`` are connected: Flower's FedAvg sample size
     (as ``fedtops_strategy.factory.make_strategy`` sets it up)."""
-    from fedtops_strategy.privacy import private_denominator  # the same count is the private mean's n
+    return clients_per_round(cfg.num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients)
 
-    return private_denominator(cfg.num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients)
+
+def check_aggregator(cfg: RunConfig, per_round: int) -> None:
+    """``strategy.aggregator`` keeps its breakdown point with ``per_round`` clients per round
+    (:func:`fedopd.core.strategies.aggregator_problem`): checked here when ``num-clients`` is set,
+    and by the ServerApp from the nodes connected at the start otherwise."""
+    if not capabilities(cfg.strategy.name).averages:
+        return
+    problem = aggregator_problem(cfg.strategy.aggregator, per_round, cfg.strategy.num_malicious)
+    if problem is not None:
+        key, why = problem
+        value = cfg.strategy.aggregator if key == "strategy.aggregator" else cfg.strategy.num_malicious
+        raise ConfigError(f"run config '{key}' = {value!r} is invalid: {why}")
 
 
 def _check_robustness(cfg: RunConfig) -> None:
@@ -239,6 +250,8 @@ def _check_robustness(cfg: RunConfig) -> None:
                 f"run config 'strategy.trim-fraction' = {s.trim_fraction!r} cuts floor({s.trim_fraction!r} × {per_round}) = 0 of the "
                 f"{per_round} clients a round averages, so '{uses_trim[0]}' = 'trimmed-mean' would be the plain mean; allowed: {fix}"
             )
+    if cfg.num_clients:
+        check_aggregator(cfg, _clients_per_round(cfg))
     if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
         raise ConfigError(
             f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "

@@ -3,6 +3,10 @@
 that reads it, the engine and preflight included) imports on a host without Flower, such as a GPU
 image that runs only the client round (``benchmarks/gpu_check.py``).
 
+It also holds what needs no Flower to decide: how many clients a round asks
+(:func:`clients_per_round`) and whether a robust aggregator can keep its breakdown point with them
+(:func:`aggregator_problem`).
+
 How each strategy is built is Flower's side: :mod:`fedtops_strategy.factory` holds the builders
 under the same names, and its ``register_strategy`` adds to both tables.
 """
@@ -50,3 +54,45 @@ CAPABILITIES: dict[str, Capabilities] = {
 def capabilities(name: str) -> Capabilities:
     """What the strategy registered as ``name`` supports (a name registered without: the defaults)."""
     return CAPABILITIES.get(name, Capabilities())
+
+
+def clients_per_round(num_clients: int, fraction_train: float, min_train_clients: int) -> int:
+    """The clients a round asks when ``num_clients`` are connected: Flower's FedAvg sample size,
+    max(1, ⌊fraction_train · num_clients⌋, min(min_train_clients, num_clients)) (also the private
+    mean's fixed denominator n)."""
+    return max(1, int(fraction_train * num_clients), min(min_train_clients, num_clients))
+
+
+def aggregator_problem(aggregator: str, per_round: int, num_malicious: int) -> tuple[str, str] | None:
+    """(the key at fault, why and what is allowed) when ``strategy.aggregator`` cannot keep the
+    breakdown point it is chosen for with ``per_round`` updates per round; None when it can.
+
+    - ``median``: the coordinate-wise median stays within the honest values while fewer than half
+      the updates are arbitrary; of 2 updates it is their mean, so it needs at least 3.
+    - ``krum``, ``multikrum``: Krum tolerates f arbitrary updates of n when n ≥ 2f + 3 (Blanchard
+      et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS
+      2017: 2f + 2 < n). ``multikrum`` averages the n − f best-scored updates, so with f = 0 it is
+      the mean of them all.
+    ``trimmed-mean``'s rule (it must cut at least one update at each end) lives with
+    ``strategy.trim-fraction`` in :mod:`fedopd.config.parse`.
+    """
+    if aggregator == "median" and per_round < 3:
+        return (
+            "strategy.aggregator",
+            f"'median' of {per_round} update(s) per round is their mean, which one client moves at will; allowed: 'fedavg', or at least 3 clients per round",
+        )
+    if aggregator == "multikrum" and num_malicious == 0:
+        return (
+            "strategy.num-malicious",
+            "'multikrum' with f = 0 averages all n updates (the plain mean); allowed: f >= 1 with n >= 2f + 3 clients per round, or 'strategy.aggregator' = 'fedavg'",
+        )
+    if aggregator in ("krum", "multikrum") and per_round < 2 * num_malicious + 3:
+        most, least = (per_round - 3) // 2, 1 if aggregator == "multikrum" else 0
+        return (
+            "strategy.num-malicious",
+            f"{aggregator!r} tolerates f arbitrary updates of n only when n >= 2f + 3 (Blanchard et al., 2017), and a round "
+            f"averages {per_round}; allowed: "
+            + (f"at most {most}, or " if most >= least else "")
+            + f"at least {2 * num_malicious + 3} clients per round",
+        )
+    return None
