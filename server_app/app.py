@@ -38,6 +38,7 @@ from server_app.log_lines import evaluation_summary, log_reply, reply_summary, r
 from server_app.progress import run_summary
 from server_app.recorder import RoundRecorder
 from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config, read_status
+from server_app.run_privacy import NoPrivacy, run_privacy
 from server_app.tracking import Trackers, run_trackers
 
 app = ServerApp()
@@ -220,13 +221,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         num_partitions=num_clients if cfg.num_clients else None,
     )
     supports = capabilities(cfg.strategy.name)
-    if strategy.privacy is not None and cfg.privacy.max_epsilon and not cfg.resume_from:
-        one_round = strategy.privacy.ledger.epsilons(strategy.privacy.round_multipliers(supports.score_phase))["epsilon"]
-        if one_round > cfg.privacy.max_epsilon:
-            raise ConfigError(
-                f"run config 'privacy.max-epsilon' = {cfg.privacy.max_epsilon!r} is below the ε of one round ({one_round:.4g} at "
-                f"δ = {cfg.privacy.delta:g}): no round could run; allowed: a larger budget, or more noise"
-            )
+    privacy = run_privacy(cfg, strategy, supports.score_phase)
+    privacy.check_first_round()
     check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
@@ -249,19 +245,13 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         run, done = open_resumed_run(cfg, lora_config, resolved)
         if done > 0 and not supports.per_client_adapters:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
-        if strategy.privacy is not None:  # the privacy spent so far, and adaptive clipping's C
-            try:
-                strategy.privacy.replay([r for r in complete_rounds(run.path) if r["round"] <= done], run.path / PRIVACY_JOURNAL)
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
+        privacy.resume(run.path, done)  # the privacy spent so far, and adaptive clipping's C
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
         run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
-    if strategy.privacy is not None:
-        strategy.privacy.ledger.journal = run.path / PRIVACY_JOURNAL  # every release from here on, before it leaves
-        strategy.privacy.ledger.journal.touch()  # from the start: a resume refuses a folder without one
+    privacy.open(run.path)
     grid.on_error = run.log_client_error  # the full text to client-errors.log, the root cause's line onwards
 
     run.write_status("running", done)
@@ -269,7 +259,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     trackers = run_trackers(cfg, run.path)
     trackers.log_config(json.loads((run.path / "config.json").read_text()))
     try:
-        return _run_rounds(grid, cfg, strategy, run, done, arrays, trackers)
+        return _run_rounds(grid, cfg, strategy, privacy, run, done, arrays, trackers)
     except RunFailed as err:
         log(ERROR, "FedTOPS run failed: %s", err)
         run.write_status("failed", error=str(err))
@@ -347,23 +337,22 @@ def check_positions(cfg: RunConfig) -> None:
         raise
 
 
-def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
+def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, privacy: NoPrivacy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
     """Algorithm 1 from the round after ``done``: each round trains, scores (FedTOPS), is recorded
     with its evaluation when due, and may end the run (:class:`StopRules`, the privacy budget)."""
     started_run = time.perf_counter()
     supports = capabilities(cfg.strategy.name)
     recorder = RoundRecorder(grid, cfg, strategy, run, trackers, supports.per_client_adapters)
-    stop_rules = StopRules.for_run(cfg, private=strategy.privacy is not None)
+    stop_rules = StopRules.for_run(cfg, private=privacy.private)
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
-    if strategy.privacy is not None:
-        log_privacy_terms(cfg, strategy.privacy, supports.score_phase, cfg.num_server_rounds - done)
+    privacy.announce(cfg.num_server_rounds - done)
     global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
         recorder.record(0, global_arrays)
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         # The budget, before anything of the round is released (its releases are known in advance)
-        stop = strategy.privacy.budget_stop(server_round, supports.score_phase) if strategy.privacy is not None else None
+        stop = privacy.budget_stop(server_round)
         if stop is not None:
             log(WARNING, "FedTOPS run stopped on its privacy budget: %s", stop)
             run.write_status("budget-spent", server_round - 1, error=stop)
@@ -403,31 +392,6 @@ def train_and_score(
         new, _ = strategy.score_phase(server_round, grid, cfg.timeout.score)
         traffic["score"] = grid.last_traffic
     return (theta if new is None else new), traffic
-
-
-def log_privacy_terms(cfg: RunConfig, privacy, score_phase: bool, rounds_left: int) -> None:
-    """What a private run's guarantee covers and assumes, and the keys it overrides, in the stream."""
-    unprotected = cfg.privacy.noise_multiplier == 0 or (score_phase and cfg.privacy.score_noise == 0)
-    log(WARNING if unprotected else INFO, "%s", privacy.describe(score_phase))
-    log(
-        INFO,
-        "the guarantee assumes that a client answers within timeout.train = %gs and timeout.score = %gs whatever the "
-        "other clients' data: clients that queue for one executor (fewer simulation actors than clients, a shared "
-        "worker-name) need deadlines well above the slowest honest round (docs/privacy.md)",
-        cfg.timeout.train,
-        cfg.timeout.score,
-    )
-    if cfg.timeout.skip_after:
-        log(INFO, "timeout.skip-after has no effect under privacy: who is asked must not depend on who answered (docs/privacy.md)")
-    if cfg.max_failed_rounds:
-        log(
-            INFO,
-            "max-failed-rounds has no effect under privacy: a run that stopped because no update arrived would tell that "
-            "much; a round without updates releases θ_t plus noise (docs/privacy.md)",
-        )
-    if cfg.privacy.max_epsilon:
-        fit = privacy.rounds_within_budget(score_phase, rounds_left)
-        log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, rounds_left)
 
 
 def _finish(run: RunFolder, cfg: RunConfig, started_run: float) -> None:
