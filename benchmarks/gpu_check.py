@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,15 @@ def choose_cap(requested: int, warmup_cap: int, prompt_tokens: int, rollout_s: f
     return chosen, predicted(chosen)
 
 
+def cap_reason(cap: int, requested: int, predicted_s: float, left_s: float) -> str:
+    """Why the round ran at ``cap`` (:func:`choose_cap`'s choice), for the report."""
+    if cap == requested:
+        return f"the requested cap (predicted {predicted_s:.0f} s of the {left_s:.0f} s left)"
+    if predicted_s <= left_s:
+        return f"the largest halving of {requested} predicted to fit the {left_s:.0f} s left (predicted {predicted_s:.0f} s)"
+    return f"no cap was predicted to fit the {left_s:.0f} s left: the warm-up's (predicted {predicted_s:.0f} s)"
+
+
 def gpu_test_files(tests_dir: Path) -> list[str]:
     """The test files that hold tests marked gpu (``pytest.mark.gpu`` or ``@on_bf16_devices``,
     tests/devices.py), as paths relative to the repository root."""
@@ -238,6 +248,60 @@ def child_env(hidden: tuple[str, ...], workdir: Path) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the child gets SIGKILL when the check's process ends, however it ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_child(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+    """(exit status, or None when it ran past ``timeout_s``; stdout; stderr) of ``cmd`` in a
+    process group of its own, which is killed whole on the deadline or when this process is
+    stopped (SIGTERM, Ctrl-C), and dies with it: nothing it started outlives the check."""
+    child = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_die_with_parent
+    )
+    try:
+        out, err = child.communicate(timeout=max(timeout_s, 1))
+        return child.returncode, out, err
+    except subprocess.TimeoutExpired:
+        _kill_group(child)
+        out, err = child.communicate()
+        return None, out or "", err or ""
+    finally:
+        _kill_group(child)
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def verbose_cases(output: str) -> list[dict[str, Any]]:
+    """The outcomes pytest ``-v`` printed (``tests/x.py::test_y[p] PASSED``), for a run cut off
+    before its JUnit report; the test that was running when it was cut off is the last line
+    that names a test without an outcome."""
+    cases = []
+    for line in output.splitlines():
+        m = re.match(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line.strip())
+        if m:
+            outcome = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "error"}.get(m.group(2), m.group(2).lower())
+            cases.append({"test": m.group(1), "outcome": outcome, "seconds": 0.0, "reason": ""})
+    return cases
+
+
+def running_test(output: str) -> str | None:
+    """The test pytest ``-v`` had started and not finished when its output ends, if any."""
+    last = [line.strip() for line in output.splitlines() if "::" in line]
+    return last[-1].split(" ")[0] if last and not re.search(r" (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", last[-1]) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # The parts
 # ---------------------------------------------------------------------------------------------
@@ -248,16 +312,31 @@ def run_tests(env: dict[str, str], out: Path, timeout_s: float) -> dict[str, Any
     report = out / "gpu-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-rs", f"--junitxml={report}", *files]
     t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-        returncode, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired as e:  # the last line names the test that did not finish
-        output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        returncode, tail = None, f"timed out after {timeout_s:.0f} s; the output's end:\n{output[-2000:]}"
-    cases = junit_cases(report.read_text()) if report.is_file() else []
+    returncode, stdout, stderr = run_child(cmd, env, timeout_s)
+    cases = junit_cases(report.read_text()) if report.is_file() else verbose_cases(stdout)
     report.unlink(missing_ok=True)
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    return {"files": files, "returncode": returncode, "seconds": time.perf_counter() - t0, **counts, "cases": cases, "output_tail": tail}
+    result = {
+        "files": files,
+        "returncode": returncode,
+        "seconds": time.perf_counter() - t0,
+        **counts,
+        "cases": cases,
+        "output_tail": (stdout + stderr)[-3000:],
+    }
+    if returncode is None:
+        raise PartError(f"pytest ran past {timeout_s:.0f} s, in {running_test(stdout) or 'an unknown test'}", result)
+    if not cases:
+        raise PartError(f"no GPU test ran (pytest exit {returncode})", result)
+    return result
+
+
+class PartError(RuntimeError):
+    """A part that failed with what it had measured (``partial``), which the report keeps."""
+
+    def __init__(self, message: str, partial: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 def _sync(torch) -> None:
@@ -293,14 +372,14 @@ def run_round(args, env: dict[str, str], work: Path, allotted_s: float) -> dict[
         if value is not None:
             cmd += [flag, str(value)]
     cmd += ["--tiny"] if args.tiny else []
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=allotted_s + 30, check=False)
-    except subprocess.TimeoutExpired as e:
-        output = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise RuntimeError(f"the round did not end within {allotted_s + 30:.0f} s; its output's end: {output[-600:]}") from None
-    if done.returncode != 0 or not record.is_file():
-        raise RuntimeError(f"the round's process exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
-    return json.loads(record.read_text())
+    returncode, stdout, stderr = run_child(cmd, env, allotted_s)
+    partial = json.loads(record.read_text()) if record.is_file() else None
+    if returncode is None:
+        stage = partial.get("stage", "?") if partial else "building the models"
+        raise PartError(f"the round ran past its {allotted_s:.0f} s share, after {stage}", partial)
+    if returncode != 0 or partial is None or partial.get("stage") != "done":
+        raise PartError(f"the round's process exited {returncode}: {(stderr or stdout)[-1500:]}", partial)
+    return partial
 
 
 def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
@@ -337,14 +416,12 @@ def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
     _, warm, warm_score_s, _ = _one_round(models, theta, prompts, {**overrides, "rollout.max-new-tokens": warmup_cap}, 1)
     m = warm.metrics
     rest_s = m["total_s"] - m["rollout_s"] + warm_score_s
-    left_s = allotted_s - (time.perf_counter() - t0) - 10  # 10 s for the report and the process's end
+    if args.round_worker is not None:  # what a round cut off later still reports
+        warmup = {"cap": warmup_cap, "rollout_s": m["rollout_s"], "rest_s": rest_s, "build_s": build_s}
+        args.round_worker.write_text(json.dumps({"stage": "the warm-up round", "warmup": warmup}, default=float))
+    left_s = allotted_s - (time.perf_counter() - t0) - 20  # 20 s for the report and the process's end
     cap, predicted_s = choose_cap(requested, warmup_cap, args.prompt_tokens, m["rollout_s"], rest_s, left_s)
-    if cap == requested:
-        cap_reason = f"the requested cap (predicted {predicted_s:.0f} s of the {left_s:.0f} s left)"
-    elif predicted_s <= left_s:
-        cap_reason = f"the largest halving of {requested} predicted to fit the {left_s:.0f} s left (predicted {predicted_s:.0f} s)"
-    else:
-        cap_reason = f"no cap was predicted to fit the {left_s:.0f} s left: the warm-up's (predicted {predicted_s:.0f} s)"
+    reason = cap_reason(cap, requested, predicted_s, left_s)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -380,7 +457,7 @@ def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
             "prompt_tokens": args.prompt_tokens,
             "cap": cap,
             "cap_requested": requested,
-            "cap_reason": cap_reason,
+            "cap_reason": reason,
             "mini_batch": cfg.train.mini_batch,
             "micro_batch": cfg.train.micro_batch,
             "teacher_batch": cfg.model.teacher_batch,
@@ -437,16 +514,15 @@ def run_loss(env: dict[str, str], tiny: bool, positions: list[int], vocab: int, 
                 continue
             cmd = [sys.executable, str(ROOT / "benchmarks" / "client_round.py"), "--loss-case", case]
             cmd += ["--positions", str(p), "--vocab", str(vocab), "--hidden", str(hidden), "--chunk", str(chunk)]
-            try:
-                done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left, check=False)
-            except subprocess.TimeoutExpired:
+            returncode, stdout, stderr = run_child(cmd, env, left)
+            if returncode is None:
                 rows.append({"positions": p, "case": case, "skipped": "out of the part's time"})
                 continue
-            if done.returncode != 0:
-                lines = done.stderr.strip().splitlines()
-                rows.append({"positions": p, "case": case, "error": lines[-1][:300] if lines else f"exit {done.returncode}"})
+            if returncode != 0:
+                lines = stderr.strip().splitlines()
+                rows.append({"positions": p, "case": case, "error": lines[-1][:300] if lines else f"exit {returncode}"})
                 continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
+            r = json.loads(stdout.strip().splitlines()[-1])
             rows.append({"positions": p, "case": case, "peak_gib": r["peak_bytes"] / GIB, "seconds": r["seconds"], "loss_per_token": r["loss"]})
     return {"vocab": vocab, "hidden": hidden, "chunk": chunk, "rows": rows, "liger_4096_gib": LIGER_4096_GIB}
 
@@ -476,6 +552,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"peft {env['peft']}; {'--tiny (a CPU dry run: shapes scaled down, figures meaningless)' if result['tiny'] else 'paper shapes'}; "
         f"{result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget.",
     ]
+    if result.get("state", "complete") != "complete":
+        lines += ["", f"**Cut off while {result['state']}**: the parts below are what it had measured."]
     for part, message in result["errors"].items():
         lines += ["", f"**{part} failed:** `{message}`"]
     tests = result.get("tests")
@@ -492,7 +570,10 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         lines += [f"| `{c['test']}` | {c['outcome']} | {c['seconds']:.2f} | {c['reason'].replace('|', '/')} |" for c in tests["cases"]]
     r = result.get("round")
-    if r:
+    if r and "warmup" in r and "settings" not in r:  # cut off after the warm-up
+        w = r["warmup"]
+        lines += ["", f"Round: only the warm-up finished (cap {w['cap']}: rollouts {w['rollout_s']:.2f} s, the rest {w['rest_s']:.2f} s)."]
+    elif r:
         s, sec, tps, mfu = r["settings"], r["seconds"], r["tokens_per_s"], r["mfu"]
         lines += [
             "",
@@ -543,7 +624,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"For comparison: liger-kernel's fused linear JSD, {loss['liger_4096_gib']} GiB at 4,096 positions (bf16 logits); "
-            "the app's loss on this project's 2-core CPU in fp32, 1.17 GiB at 1,024 positions (docs/performance.md).",
+            "the app's loss at 1,024 positions (chunks of 256, bf16 inputs, a 4,096-wide teacher) peaked at 1.17 GiB on this project's 2-core CPU (docs/performance.md).",
         ]
     return "\n".join(lines) + "\n"
 
@@ -551,6 +632,10 @@ def markdown(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
@@ -595,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.round_worker is not None:
         args.prompt_tokens = args.prompt_tokens or (16 if args.tiny else 128)
-        args.round_worker.write_text(json.dumps(measure_round(args, args.tiny, args.round_seconds), indent=2, default=float))
+        record = measure_round(args, args.tiny, args.round_seconds)
+        args.round_worker.write_text(json.dumps({"stage": "done", **record}, indent=2, default=float))
         return 0
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - {"tests", "round", "loss"})
@@ -605,8 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     hidden = IMAGE_LACKS if args.tiny else ()
     if hidden:
         hide_packages(hidden)
+    args.out = args.out.resolve()  # pytest and the round's process run in the repository's root
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    signal.signal(signal.SIGTERM, _stop)  # a stopped check ends its children (run_child) and keeps its report
 
     import torch
     import transformers
@@ -632,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "errors": {},
         "elapsed_s": 0.0,
+        "state": "starting",
     }
+    write_report(result, args.out)
     # The budget's shares: the tests at most a third, the loss a fifth, the round what is left.
     shares = {"tests": 0.3, "loss": 0.2}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
@@ -643,11 +733,13 @@ def main(argv: list[str] | None = None) -> int:
             left = args.budget_s - (time.perf_counter() - start)
             reserved = sum(args.budget_s * shares[p] for p in parts[parts.index(part) + 1 :] if p in shares)
             print(f"gpu_check: {part} ({left:.0f} s left)", flush=True)
+            result["state"] = f"running {part}"
+            write_report(result, args.out)  # a check cut off in this part says so
             try:
                 if part == "tests":
                     result["tests"] = run_tests(env, args.out, min(args.budget_s * shares["tests"], left))
                 elif part == "round":
-                    result["round"] = run_round(args, env, Path(work), max(left - reserved - 45, 30))
+                    result["round"] = run_round(args, env, Path(work), max(left - reserved - 15, 30))
                 else:
                     positions = [64, 256] if args.tiny else [1024, 4096, 16384]
                     vocab, width = (4096, 64) if args.tiny else (151936, 1024)
@@ -656,10 +748,14 @@ def main(argv: list[str] | None = None) -> int:
                     result["loss"] = run_loss(
                         env, args.tiny, positions, vocab, width, TrainSettings().loss_chunk, min(args.budget_s * shares["loss"], left)
                     )
-            except Exception as e:  # a part that fails is recorded; the next one runs
+            except Exception as e:  # a part that fails is recorded with what it measured; the next one runs
                 result["errors"][part] = f"{type(e).__name__}: {e}"[:2000]
+                if getattr(e, "partial", None):
+                    result[part] = e.partial
             result["elapsed_s"] = time.perf_counter() - start
             write_report(result, args.out)  # after every part: a check cut off later keeps what it measured
+    result["state"] = "complete"
+    write_report(result, args.out)
     print(markdown(result))
     tests = result.get("tests")
     failed = bool(result["errors"]) or (tests is not None and (tests["returncode"] != 0 or tests["failed"] or tests["error"]))

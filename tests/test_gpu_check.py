@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,58 @@ def test_the_cpu_dry_run_writes_the_report_of_every_part(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # nothing partial left
     page = (tmp_path / "gpu_check.md").read_text()
     assert "## GPU tests" in page and "## One client round" in page and "## The reverse-KL loss" in page
+
+
+def test_a_cut_off_pytest_run_gives_what_it_printed_and_the_test_it_was_in():
+    output = (
+        "tests/test_a.py::test_one[cuda-bf16] PASSED                 [ 10%]\n"
+        "tests/test_a.py::test_two SKIPPED (no CUDA device)          [ 20%]\n"
+        "tests/test_b.py::test_three FAILED                          [ 30%]\n"
+        "tests/test_b.py::test_hangs "
+    )
+    from benchmarks.gpu_check import running_test, verbose_cases
+
+    assert [(c["test"], c["outcome"]) for c in verbose_cases(output)] == [
+        ("tests/test_a.py::test_one[cuda-bf16]", "passed"),
+        ("tests/test_a.py::test_two", "skipped"),
+        ("tests/test_b.py::test_three", "failed"),
+    ]
+    assert running_test(output) == "tests/test_b.py::test_hangs"
+    assert running_test(output.rsplit("\n", 1)[0]) is None  # ended on an outcome: nothing was running
+
+
+def test_the_caps_reason_says_whether_it_was_asked_for_fitted_or_nothing_fit():
+    from benchmarks.gpu_check import cap_reason
+
+    assert cap_reason(4096, 4096, 190.0, 200.0).startswith("the requested cap (predicted 190 s of the 200 s left)")
+    assert cap_reason(2048, 4096, 97.5, 150.0).startswith("the largest halving of 4096 predicted to fit the 150 s left")
+    assert cap_reason(32, 4096, 3.0, 1.0).startswith("no cap was predicted to fit the 1 s left")
+
+
+def test_a_child_past_its_deadline_is_ended_with_everything_it_started(tmp_path):
+    from benchmarks.gpu_check import run_child
+
+    marker = tmp_path / "grandchild-ran-on"
+    # the child starts a grandchild that would write the marker after 3 s, then waits
+    grandchild = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)"
+    started = time.monotonic()
+    returncode, _, _ = run_child([sys.executable, "-c", script], dict(os.environ), 1.0)
+    assert returncode is None and time.monotonic() - started < 10
+    time.sleep(4)
+    assert not marker.exists()  # the grandchild was killed with the child's process group
+
+
+def test_a_check_stopped_by_sigterm_ends_its_children(tmp_path):
+    marker = tmp_path / "child-ran-on"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    parent = (
+        f"import sys, signal, os; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.gpu_check import run_child, _stop; "
+        f"signal.signal(signal.SIGTERM, _stop); run_child([sys.executable, '-c', {child!r}], dict(os.environ), 60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    time.sleep(1.5)  # the child has started
+    proc.terminate()
+    proc.wait(timeout=10)
+    time.sleep(3)
+    assert not marker.exists()
