@@ -49,7 +49,7 @@ from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from fedtops_strategy.replies import SCORE_NEGATIVE_TOL, Expected, ScoreReply, parse_score
 from fedtops_strategy.screening import ReplyScreening, parse_replies
-from fedtops_strategy.selection import select_round, vetoes
+from fedtops_strategy.selection import Selection, select_round, vetoes
 
 __all__ = ["DEFAULT_CANDIDATES", "SCORE_MESSAGE_TYPE", "SCORE_NEGATIVE_TOL", "FedTOPS", "parse_score_reply"]
 
@@ -213,20 +213,47 @@ class FedTOPS(ReplyScreening, FedAvg):
             record.setdefault("privacy", {}).update({**released, **self.privacy.ledger.summary()})
             record.setdefault("privacy-diagnostics", {})["public-score-rows"] = filled
         record["score_seconds"] = time.perf_counter() - self._score_started
-        record["candidates"] = list(self.candidates)
-        record["scored-node-ids"] = [node for node, _, _ in rows]
-        change_scores = [k for _, _, k in rows]
-        client_teacher_scores = [j for _, j, _ in rows]
-        record["change_scores"] = [_finite_or_none(k) for k in change_scores]
-        record["client_teacher_scores"] = [_finite_or_none(j) for j in client_teacher_scores]
-        answered = {s.node_id for s in scored}
-        record["unscored-node-ids"] = [n for n in nodes if n not in answered]
+        unscored = [n for n in nodes if n not in {s.node_id for s in scored}]
         # Under privacy an unscored node's public row already caps a at 1 (feasible up to 1): the
         # cap must not read who answered, which is not private.
-        all_scored = self.privacy is not None or not record["unscored-node-ids"]
-        veto = vetoes(change_scores, self.trust_budget, len(self.candidates), self.feasibility_tol)
-        record["veto-counts"] = [sum(row) for row in veto]
+        selection, fields = self.select(rows, weights, unscored, all_scored=self.privacy is not None or not unscored)
+        record.update(fields)
+        if selection.fallback:
+            log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
+        if selection.capped:
+            log(
+                WARNING,
+                "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",
+                server_round,
+                ", ".join(map(str, record["unscored-node-ids"])),
+                selection.selected,
+                selection.cap,
+            )
+        if "hold-reason" in fields:
+            log(WARNING, "round %d holds (a = 0): %s", server_round, fields["hold-reason"])
+        new = self.apply_multiplier(server_round, self.refine(server_round, selection, scored))
+        metrics = MetricRecord({"multiplier": record["multiplier"], "num-feasible": selection.num_feasible})
+        return new, metrics
 
+    def select(
+        self, rows: list[tuple[int, list[float], list[float]]], weights: dict[int, float], unscored: list[int], *, all_scored: bool
+    ) -> tuple[Selection, dict]:
+        """The paper's rule on one round's score rows (node, Ĵ_i, K̂_i), with each node's weight:
+        the selection (:func:`fedtops_strategy.selection.select_round`) and the round record's
+        fields of the score phase, in the record's order (a hold names the nodes whose K̂ at
+        a = 1, or the smallest candidate, exceeded δ). A function of its arguments and the
+        strategy's settings alone."""
+        change_scores = [k for _, _, k in rows]
+        client_teacher_scores = [j for _, j, _ in rows]
+        veto = vetoes(change_scores, self.trust_budget, len(self.candidates), self.feasibility_tol)
+        fields = {
+            "candidates": list(self.candidates),
+            "scored-node-ids": [node for node, _, _ in rows],
+            "change_scores": [_finite_or_none(k) for k in change_scores],
+            "client_teacher_scores": [_finite_or_none(j) for j in client_teacher_scores],
+            "unscored-node-ids": unscored,
+            "veto-counts": [sum(row) for row in veto],
+        }
         selection = select_round(
             self.candidates,
             client_teacher_scores,
@@ -240,34 +267,24 @@ class FedTOPS(ReplyScreening, FedAvg):
             score_aggregate=self.score_aggregate,
             trim_fraction=self.trim_fraction,
         )
-        if selection.fallback:
-            log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
-        if selection.capped:
-            log(
-                WARNING,
-                "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",
-                server_round,
-                ", ".join(map(str, record["unscored-node-ids"])),
-                selection.selected,
-                selection.cap,
-            )
         if selection.multiplier == 0.0 and not selection.fallback:
             reference = self.candidates.index(1.0) if 1.0 in self.candidates else min(range(len(self.candidates)), key=self.candidates.__getitem__)
-            blocking = [node for node, row in zip(record["scored-node-ids"], veto) if row[reference]]
-            record["hold-reason"] = (
+            blocking = [node for node, row in zip(fields["scored-node-ids"], veto) if row[reference]]
+            fields["hold-reason"] = (
                 f"no feasible candidate (δ = {self.trust_budget:g}, {self.max_vetoes} veto(es) allowed); "
                 f"K̂ at a = {self.candidates[reference]:g} exceeded δ at node(s) {', '.join(map(str, blocking)) or 'none'}"
             )
-            record["hold-node-ids"] = blocking
-            log(WARNING, "round %d holds (a = 0): %s", server_round, record["hold-reason"])
-        record["teacher_scores"] = _finite_or_none(selection.teacher_scores)
-        record["fallback"] = selection.fallback
-        record["num-feasible"] = selection.num_feasible
-        record["selected-multiplier"] = selection.selected
-        record["multiplier-cap"] = selection.cap
-        new = self.apply_multiplier(server_round, self.refine(server_round, selection, scored))
-        metrics = MetricRecord({"multiplier": record["multiplier"], "num-feasible": selection.num_feasible})
-        return new, metrics
+            fields["hold-node-ids"] = blocking
+        fields.update(
+            {
+                "teacher_scores": _finite_or_none(selection.teacher_scores),
+                "fallback": selection.fallback,
+                "num-feasible": selection.num_feasible,
+                "selected-multiplier": selection.selected,
+                "multiplier-cap": selection.cap,
+            }
+        )
+        return selection, fields
 
     def refine(self, server_round: int, selection, scored: list[ScoreReply]) -> float:
         """The round's a from the rule's ``selection`` (a variant may change it); the paper: as selected."""

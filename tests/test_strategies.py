@@ -155,6 +155,24 @@ def test_fedtops_start_and_the_apps_loop_give_the_same_rounds():
     assert all(by_start.records[t].keys() == by_loop.records[t].keys() for t in (1, 2, 3))
 
 
+def test_fedtops_step_is_a_value_of_the_score_rows_and_the_settings():
+    """FedTOPS.select: the selection and the record's fields from the rows alone; nothing is kept."""
+    rows = [
+        (1, [0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.01, 0.02, 0.03, 0.2, 0.3]),  # vetoes a = 5, 10 at δ = 0.05
+        (2, [0.5, 0.4, 0.3, 0.25, 0.1, 0.0], [0.0, 0.01, 0.02, 0.04, 0.04, 0.3]),  # vetoes a = 10
+    ]
+    strategy = FedTOPS(trust_budget=0.05, **_common(2))
+    selection, fields = strategy.select(rows, {1: 1.0, 2: 3.0}, [], all_scored=True)
+    assert selection.multiplier == 3.0 and fields["num-feasible"] == 4 and fields["veto-counts"] == [2, 1]
+    assert fields["teacher_scores"] == pytest.approx([0.5, 0.4, 0.3, 0.2375, 0.1, 0.0])  # weights 1/4, 3/4
+    assert "hold-reason" not in fields and strategy.records == {}
+    # δ = 0.005: node 1's K̂ (0.01 at every a) vetoes every candidate, so the round holds naming it
+    vetoing = [(1, rows[0][1], [0.01] * 6), (2, rows[1][1], [0.0] * 6)]
+    selection, fields = FedTOPS(trust_budget=0.005, **_common(2)).select(vetoing, {1: 1.0, 2: 3.0}, [], all_scored=True)
+    assert selection.multiplier == 0.0 and fields["hold-node-ids"] == [1] and fields["veto-counts"] == [6, 0]
+    assert fields["hold-reason"] == "no feasible candidate (δ = 0.005, 0 veto(es) allowed); K̂ at a = 1 exceeded δ at node(s) 1"
+
+
 def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained():
     scores = {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}
     grid = FakeGrid(UPDATES, WEIGHTS, scores)
