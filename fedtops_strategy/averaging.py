@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
-from flwr.serverapp.strategy import FedTrimmedAvg, Krum, MultiKrum
+from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Krum, MultiKrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
+from fedopd.core.strategies import aggregator_problem
 from fedopd.models.lora import Named, from_record
 
 WEIGHT_KEY = "num-examples"
@@ -106,12 +107,18 @@ class RobustMean(Averager):
 
     def __init__(self, strategy) -> None:
         self.strategy = strategy
+        # its strategy.aggregator name, for its breakdown rule (Krum is a MultiKrum that selects one)
+        kinds = ((Krum, "krum"), (MultiKrum, "multikrum"), (FedMedian, "median"), (FedTrimmedAvg, "trimmed-mean"))
+        self.name = next((name for cls, name in kinds if isinstance(strategy, cls)), type(strategy).__name__)
 
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         if not updates:
             return Average(None)
         if isinstance(self.strategy, MultiKrum) and not isinstance(self.strategy, Krum):  # Krum is MultiKrum selecting 1
             self.strategy.num_nodes_to_select = max(1, len(updates) - self.strategy.num_malicious_nodes)
+        problem = aggregator_problem(self.name, len(updates), getattr(self.strategy, "num_malicious_nodes", 0))
+        if problem is not None:  # fewer updates than the run was checked for (silent or refused clients)
+            log(WARNING, "round %d: %d updates averaged: %s", server_round, len(updates), problem[1])
         if isinstance(self.strategy, FedTrimmedAvg) and int(self.strategy.beta * len(updates)) == 0:
             log(
                 WARNING,

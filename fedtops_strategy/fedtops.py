@@ -171,7 +171,10 @@ class FedTOPS(ReplyScreening, FedAvg):
         candidates on the clients that trained and moves θ by the selected a_t, then runs Flower's
         federated evaluation (``fraction_evaluate``) and ``evaluate_fn`` as Flower does. The
         ``Result`` holds the last θ, each round's (a_t, feasible count) as its train metrics, and
-        the evaluations; each round's full record is in :attr:`records`."""
+        the evaluations; each round's full record is in :attr:`records`. With ``privacy``, it
+        stops before a round whose releases would exceed ``privacy.max-epsilon`` and returns what
+        was released; the journal of releases is the app's (its run folder), so none is kept here
+        unless ``privacy.ledger.journal`` names a file."""
         log(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
@@ -182,6 +185,10 @@ class FedTOPS(ReplyScreening, FedAvg):
             result.evaluate_metrics_serverapp[0] = res
         arrays = initial_arrays
         for server_round in range(1, num_rounds + 1):
+            stop = self.privacy.budget_stop(server_round, True) if self.privacy is not None else None
+            if stop is not None:  # the round's releases would exceed privacy.max-epsilon: end with what was released
+                log(WARNING, "FedTOPS stopped on its privacy budget: %s", stop)
+                break
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             replies = grid.send_and_receive(self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
             self.aggregate_train(server_round, replies)

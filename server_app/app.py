@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_aggregator, check_server_requirements, parse_run_config
+from fedopd.config import RESUME_FREE_KEYS, ConfigError, RunConfig, check_per_round, check_server_requirements, parse_run_config
 from fedopd.core.strategies import clients_per_round
 from fedopd.engine.templates import WARN as TEMPLATES_WARN
 from fedopd.engine.templates import run_chat_templates
@@ -155,6 +155,19 @@ class StopRules:
         )
 
 
+def check_connected(cfg: RunConfig, connected: int) -> None:
+    """With ``num-clients = 0`` the run trains the nodes connected when it starts: the settings
+    that depend on how many a round averages (:func:`fedopd.config.check_per_round`) are checked
+    against them, before anything is written."""
+    try:
+        check_per_round(cfg, clients_per_round(connected, cfg.strategy.fraction_train, cfg.strategy.min_train_clients))
+    except ConfigError as err:
+        raise ConfigError(
+            f"{err} (num-clients = 0: the run trains the {connected} node(s) connected now; set num-clients to the federation's size "
+            "to wait for all of them)"
+        ) from None
+
+
 def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
@@ -205,12 +218,8 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     # client holds at most the whole prompt pool (data.prompts-per-client per client). With
     # num-clients = 0 (the nodes connected at the start, a count that can be short of the
     # federation's while nodes still register) there are no upper bounds to check against.
-    if not cfg.num_clients:  # the run trains the nodes connected now: the aggregator's breakdown point against them
-        try:
-            check_aggregator(cfg, clients_per_round(num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients))
-        except ConfigError as err:
-            log(ERROR, "FedTOPS: invalid run config for %d connected nodes, nothing was run or written: %s", num_clients, err)
-            raise
+    if not cfg.num_clients:
+        check_connected(cfg, num_clients)
     strategy = make_strategy(
         cfg.strategy,
         num_clients=num_clients,

@@ -20,7 +20,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
-from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _run, message
+from test_strategies import THETA, UPDATES, WEIGHTS, FakeGrid, _record, _run, message
 
 from fedopd.config import ConfigError, StrategySettings, parse_run_config
 from fedopd.core.settings import PrivacySettings
@@ -1061,3 +1061,14 @@ def test_a_run_folder_without_privacy_stays_readable_when_privacy_defaults_chang
     config = read_run_config(tmp_path)
     assert "privacy.clip-norm" not in config and config["privacy.clipping"] == "off"
     assert parse_run_config(config).privacy == PrivacySettings()
+
+
+def test_fedtops_start_stops_before_a_round_its_budget_cannot_pay_for_and_returns_what_was_released():
+    """Flower's contract under privacy: privacy.max-epsilon ends FedTOPS.start cleanly, with a
+    Result, before the first round whose releases would exceed it (not mid-round)."""
+    strategy = _strategy(name="fedtops", noise_multiplier=1.0, score_noise=1.0, max_epsilon=40.0)
+    fit = strategy.privacy.rounds_within_budget(True, 50)
+    assert 1 <= fit < 50
+    result = strategy.start(FakeGrid(UPDATES, WEIGHTS, scores=SCORES), _record(THETA), num_rounds=50, timeout=60.0)
+    assert sorted(strategy.records) == list(range(1, fit + 1)) and sorted(result.train_metrics_clientapp) == list(range(1, fit + 1))
+    assert strategy.privacy.ledger.epsilons([])["epsilon"] <= 40.0

@@ -547,3 +547,28 @@ def test_the_serverapp_checks_the_aggregator_against_the_nodes_connected_when_nu
     with pytest.raises(ConfigError, match=re.escape("'strategy.num-malicious' = 1 is invalid: 'krum' tolerates")):
         run_in_process(config, num_clients=3)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_serverapp_checks_a_trimmed_mean_against_the_nodes_connected_when_num_clients_is_0(tmp_path):
+    """floor(0.2 x 3) = 0: the trimmed mean of the 3 connected nodes would cut none."""
+    from conftest import TINY_RUN
+
+    from server_app.inprocess import run_in_process
+
+    config = {**TINY_RUN, "output-dir": str(tmp_path / "runs"), "strategy.aggregator": "trimmed-mean"}
+    with pytest.raises(ConfigError, match=r"cuts floor\(0.2 × 3\) = 0 .* \(num-clients = 0: the run trains the 3 node\(s\) connected now"):
+        run_in_process(config, num_clients=3)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_round_that_averages_fewer_updates_than_the_aggregator_needs_says_so(caplog):
+    """Checked for 3 clients per round; node 3 is silent, so the median is of 2: their mean."""
+    strategy = _aggregating(LoRAFedAvg, "median")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL, lost={3: ("train", "silent")}))
+    assert "round 1: 2 updates averaged: 'median' of 2 update(s) per round is their mean" in caplog.text
+
+
+def test_under_privacy_a_robust_aggregator_is_refused_for_privacy_not_for_its_breakdown_point():
+    with pytest.raises(ConfigError, match="'strategy.aggregator' = 'median' cannot be combined with 'privacy.clipping' = 'fixed'"):
+        parse_run_config({"privacy.clipping": "fixed", "num-clients": 2, "strategy.aggregator": "median"})

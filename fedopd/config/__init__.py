@@ -6,7 +6,15 @@ The settings' types live in :mod:`fedopd.core.settings` (every layer reads them)
 importable from here too, the path that users and the apps use.
 """
 
-from fedopd.config.parse import REGISTERED, allowed_values, check_aggregator, check_server_requirements, parse_candidates, parse_run_config
+from fedopd.config.parse import (
+    REGISTERED,
+    allowed_values,
+    check_aggregator,
+    check_per_round,
+    check_server_requirements,
+    parse_candidates,
+    parse_run_config,
+)
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import (
     _KEYS,
@@ -62,6 +70,7 @@ __all__ = [
     "TrainSettings",
     "allowed_values",
     "check_aggregator",
+    "check_per_round",
     "check_server_requirements",
     "parse_candidates",
     "parse_run_config",

@@ -197,11 +197,38 @@ def _clients_per_round(cfg: RunConfig) -> int:
     return clients_per_round(cfg.num_clients, cfg.strategy.fraction_train, cfg.strategy.min_train_clients)
 
 
+def check_per_round(cfg: RunConfig, per_round: int) -> None:
+    """The robustness settings that depend on how many clients a round averages (``per_round``):
+    a bound relative to the round's median needs 3, a trimmed mean must cut one at each end, a
+    robust aggregator must keep its breakdown point (:func:`check_aggregator`). Checked here when
+    ``num-clients`` is set, and by the ServerApp from the nodes connected at its start otherwise."""
+    s = cfg.strategy
+    if (s.clip_norm or s.max_weight) and per_round < 3:
+        key, value = ("strategy.clip-norm", s.clip_norm) if s.clip_norm else ("strategy.max-weight", s.max_weight)
+        raise ConfigError(
+            f"run config '{key}' = {value!r} bounds each update by the round's median, which needs at least 3 clients "
+            f"per round (with {per_round}, either one sets the bar: a zero update would scale the other to 0); "
+            f"allowed: 0, or at least 3 clients per round"
+        )
+    uses_trim = [k for k, v in (("strategy.aggregator", s.aggregator), ("strategy.score-aggregate", s.score_aggregate)) if v == "trimmed-mean"]
+    if uses_trim and int(s.trim_fraction * per_round) == 0:
+        fix = (
+            f"a value with floor(value × {per_round}) >= 1 (one client cut at each end), e.g. {math.ceil(100 / per_round) / 100:g}"
+            if per_round >= 3
+            else f"none below 0.5 cuts any of {per_round} clients: 'median' instead, or more clients"
+        )
+        raise ConfigError(
+            f"run config 'strategy.trim-fraction' = {s.trim_fraction!r} cuts floor({s.trim_fraction!r} × {per_round}) = 0 of the "
+            f"{per_round} clients a round averages, so '{uses_trim[0]}' = 'trimmed-mean' would be the plain mean; allowed: {fix}"
+        )
+    check_aggregator(cfg, per_round)
+
+
 def check_aggregator(cfg: RunConfig, per_round: int) -> None:
     """``strategy.aggregator`` keeps its breakdown point with ``per_round`` clients per round
-    (:func:`fedopd.core.strategies.aggregator_problem`): checked here when ``num-clients`` is set,
-    and by the ServerApp from the nodes connected at the start otherwise."""
-    if not capabilities(cfg.strategy.name).averages:
+    (:func:`fedopd.core.strategies.aggregator_problem`). Not under privacy, which allows only the
+    mean (:func:`_check_privacy` says so), nor for a strategy that forms no average."""
+    if not capabilities(cfg.strategy.name).averages or cfg.privacy.clipping != "off":
         return
     problem = aggregator_problem(cfg.strategy.aggregator, per_round, cfg.strategy.num_malicious)
     if problem is not None:
@@ -228,30 +255,8 @@ def _check_robustness(cfg: RunConfig) -> None:
             "acts on FedTOPS's score replies",
             f"strategy.name one of {_registered('score_phase')}",
         )
-    if (s.clip_norm or s.max_weight) and cfg.num_clients:
-        per_round = _clients_per_round(cfg)
-        if per_round < 3:
-            key, value = ("strategy.clip-norm", s.clip_norm) if s.clip_norm else ("strategy.max-weight", s.max_weight)
-            raise ConfigError(
-                f"run config '{key}' = {value!r} bounds each update by the round's median, which needs at least 3 clients "
-                f"per round (with {per_round}, either one sets the bar: a zero update would scale the other to 0); "
-                f"allowed: 0, or at least 3 clients per round"
-            )
-    uses_trim = [k for k, v in (("strategy.aggregator", s.aggregator), ("strategy.score-aggregate", s.score_aggregate)) if v == "trimmed-mean"]
-    if uses_trim and cfg.num_clients:
-        per_round = _clients_per_round(cfg)
-        if int(s.trim_fraction * per_round) == 0:
-            fix = (
-                f"a value with floor(value × {per_round}) >= 1 (one client cut at each end), e.g. {math.ceil(100 / per_round) / 100:g}"
-                if per_round >= 3
-                else f"none below 0.5 cuts any of {per_round} clients: 'median' instead, or more clients"
-            )
-            raise ConfigError(
-                f"run config 'strategy.trim-fraction' = {s.trim_fraction!r} cuts floor({s.trim_fraction!r} × {per_round}) = 0 of the "
-                f"{per_round} clients a round averages, so '{uses_trim[0]}' = 'trimmed-mean' would be the plain mean; allowed: {fix}"
-            )
     if cfg.num_clients:
-        check_aggregator(cfg, _clients_per_round(cfg))
+        check_per_round(cfg, _clients_per_round(cfg))
     if s.num_malicious and s.aggregator not in ("krum", "multikrum"):
         raise ConfigError(
             f"run config 'strategy.num-malicious' = {s.num_malicious} is used only by Krum; allowed: 0, or "

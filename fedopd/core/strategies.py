@@ -22,7 +22,8 @@ class Capabilities:
 
     averages: it forms an average of client updates (``strategy.aggregator``, ``clip-norm``,
         ``max-weight`` and ``privacy.*`` act on it);
-    score_phase: it has FedTOPS's score phase (``configure_score``/``aggregate_score``; the
+    score_phase: it has FedTOPS's score phase (``score_phase``, which runs ``configure_score`` and
+        ``aggregate_score``: a subclass of :class:`~fedtops_strategy.fedtops.FedTOPS`; the
         ``strategy.max-vetoes``/``score-aggregate`` keys act on its score replies);
     private: ``privacy.*`` can protect everything it releases (a variant whose score replies carry
         more than Ĵ and K̂, unprotected, is not);
