@@ -1072,3 +1072,16 @@ def test_fedtops_start_stops_before_a_round_its_budget_cannot_pay_for_and_return
     result = strategy.start(FakeGrid(UPDATES, WEIGHTS, scores=SCORES), _record(THETA), num_rounds=50, timeout=60.0)
     assert sorted(strategy.records) == list(range(1, fit + 1)) and sorted(result.train_metrics_clientapp) == list(range(1, fit + 1))
     assert strategy.privacy.ledger.epsilons([])["epsilon"] <= 40.0
+
+
+def test_a_private_run_has_its_journal_from_the_start(tmp_path):
+    """A resume refuses a folder without a journal, so it exists before any release is written."""
+    from fedopd.config import parse_run_config
+    from fedtops_strategy.privacy import JOURNAL
+    from server_app.run_privacy import NoPrivacy, PrivateRun
+
+    strategy = _strategy(name="fedtops")
+    PrivateRun(parse_run_config({"privacy.clipping": "fixed", "num-clients": 2}), strategy.privacy, True).open(tmp_path)
+    assert (tmp_path / JOURNAL).is_file() and strategy.privacy.ledger.journal == tmp_path / JOURNAL
+    NoPrivacy().open(tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
