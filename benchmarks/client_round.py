@@ -380,6 +380,11 @@ def loss_case(case: str, positions: int, vocab: int, hidden: int, chunk: int) ->
     }
 
 
+def unchunked_need_bytes(positions: int, vocab: int) -> int:
+    """What the unchunked loss needs: about nine fp32 (positions x vocabulary) buffers."""
+    return 9 * positions * vocab * 4
+
+
 def _free_bytes() -> int:
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
@@ -396,7 +401,7 @@ def bench_loss(args) -> None:
     print(f"  {'positions':>9s}  {'case':<10s}  {'peak':>11s}  {'seconds':>8s}  {'loss / token':>13s}")
     for positions in args.positions:
         for case in cases:
-            need = 9 * positions * args.vocab * 4 if case == "unchunked" else 0  # ~9 fp32 P×V buffers
+            need = unchunked_need_bytes(positions, args.vocab) if case == "unchunked" else 0
             if need > 0.8 * _free_bytes():
                 print(f"  {positions:9d}  {case:<10s}  skipped: needs about {need / GiB:.1f} GiB, {_free_bytes() / GiB:.1f} GiB free")
                 continue

@@ -386,9 +386,7 @@ def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
     """One warm-up round and one measured round at the cap that fits ``allotted_s`` (in this process)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from client_round import paper_models, paper_prompts
-
+    from benchmarks.client_round import paper_models, paper_prompts
     from fedopd.config.presets import load_preset
     from fedopd.engine.round import ClientModels
     from fedopd.preflight import memory_estimate, memory_need
@@ -497,16 +495,16 @@ def measure_round(args, tiny: bool, allotted_s: float) -> dict[str, Any]:
     return record
 
 
-def run_loss(env: dict[str, str], tiny: bool, positions: list[int], vocab: int, hidden: int, chunk: int, timeout_s: float) -> dict[str, Any]:
-    import torch
+def run_loss(env: dict[str, str], positions: list[int], vocab: int, hidden: int, chunk: int, timeout_s: float) -> dict[str, Any]:
+    from benchmarks.client_round import _free_bytes, unchunked_need_bytes
 
     rows = []
     deadline = time.perf_counter() + timeout_s
     cases = ["app", "unchunked"]
     for p in positions:
         for case in cases:
-            need = 9 * p * vocab * 4 if case == "unchunked" else 0  # about nine fp32 P x V buffers
-            free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else _host_free_bytes()
+            need = unchunked_need_bytes(p, vocab) if case == "unchunked" else 0
+            free = _free_bytes()
             left = deadline - time.perf_counter()
             if need > 0.8 * free or left < 5:
                 why = f"needs about {need / GIB:.1f} GiB, {free / GIB:.1f} GiB free" if need > 0.8 * free else "out of the part's time"
@@ -525,12 +523,6 @@ def run_loss(env: dict[str, str], tiny: bool, positions: list[int], vocab: int, 
             r = json.loads(stdout.strip().splitlines()[-1])
             rows.append({"positions": p, "case": case, "peak_gib": r["peak_bytes"] / GIB, "seconds": r["seconds"], "loss_per_token": r["loss"]})
     return {"vocab": vocab, "hidden": hidden, "chunk": chunk, "rows": rows, "liger_4096_gib": LIGER_4096_GIB}
-
-
-def _host_free_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info["MemAvailable"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,9 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                     vocab, width = (4096, 64) if args.tiny else (151936, 1024)
                     from fedopd.config import TrainSettings
 
-                    result["loss"] = run_loss(
-                        env, args.tiny, positions, vocab, width, TrainSettings().loss_chunk, min(args.budget_s * shares["loss"], left)
-                    )
+                    result["loss"] = run_loss(env, positions, vocab, width, TrainSettings().loss_chunk, min(args.budget_s * shares["loss"], left))
             except Exception as e:  # a part that fails is recorded with what it measured; the next one runs
                 result["errors"][part] = f"{type(e).__name__}: {e}"[:2000]
                 if getattr(e, "partial", None):
