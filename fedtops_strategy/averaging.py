@@ -3,7 +3,7 @@
 An :class:`Averager` takes the round's checked updates (:class:`Update`: a node, its float32
 arrays θ_{t,i}^+, its weight) and θ_t, and returns the averaged adapter, or None when it averages
 nothing. The strategy then moves θ_{t+1} = θ_t + a·(average − θ_t) in one place
-(:meth:`fedtops_strategy.screening.ReplyScreening.apply_multiplier`); no averager keeps a model
+(:func:`fedtops_strategy.round.apply_step`); no averager keeps a model
 between rounds.
 
 * :class:`WeightedMean`: Σ w_i θ_i / Σ w_i, with Flower's own ``aggregate_arrayrecords`` (FedAvg's);
@@ -80,6 +80,12 @@ class Averager(ABC):
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         """The average of ``updates`` (θ_{t,i}^+, not increments) around ``theta`` (θ_t)."""
 
+    def release_scores(self, rows: list, weights: dict[int, float], unscored: list[int], asked: list[int], candidates, server_round: int):
+        """The score rows (node, Ĵ_i, K̂_i) as the selection may read them: (rows, weights, the
+        round record's fields of the release, whether every trust constraint counts as known).
+        Here as they are: the rule caps a at 1 while a node that trained is ``unscored``."""
+        return rows, weights, {}, not unscored
+
 
 def as_message(update: Update) -> Message:
     """An update as Flower's aggregators read a reply: its arrays and its weight only."""
@@ -151,6 +157,15 @@ class PrivateMean(Averager):
 
     def update_metrics(self, reply) -> dict[str, Any]:
         return self.privacy.view_metrics(reply.metrics)
+
+    def release_scores(self, rows: list, weights: dict[int, float], unscored: list[int], asked: list[int], candidates, server_round: int):
+        """One released row per node the round asked (a public row for each that gave no valid
+        scores), clipped and noised, each weighing the same (docs/privacy.md); the selection is
+        post-processing of them. An unscored node's public row already caps a at 1 (feasible up
+        to 1): the cap must not read who answered, which is not private."""
+        rows, released, filled = self.privacy.release_scores({node: (j, k) for node, j, k in rows}, list(asked), candidates, server_round)
+        notes = {"privacy": {**released, **self.privacy.ledger.summary()}, "privacy-diagnostics": {"public-score-rows": filled}}
+        return rows, dict.fromkeys(asked, 1.0), notes, True
 
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         bits = [u.metrics.get(KEY_NORM_BIT) for u in updates]

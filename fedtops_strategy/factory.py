@@ -4,8 +4,8 @@ imports no Flower, so that the run config validates on a host without it).
 
 A builder turns the validated ``strategy.*`` settings and the arguments that every strategy shares
 (``common``: Flower's ``fraction_train``, ``min_train_nodes``, ..., and the server-side parts'
-settings of :class:`~fedtops_strategy.screening.ReplyScreening`: seed, bounds, averager,
-timeouts) into a strategy built on ``ReplyScreening``. A new variant is one builder registered
+settings of :class:`~fedtops_strategy.base.ServerStrategy`: seed, bounds, averager,
+timeouts) into a strategy built on ``ServerStrategy``. A new variant is one builder registered
 under a new name, with a declaration of what it supports; what its clients must do differently
 travels in its train messages' config (``learner``, ``build-scoring-cache``), never as its name::
 
@@ -20,15 +20,13 @@ score phase and to save per-client adapters; nothing looks at a strategy's class
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
-
-from flwr.serverapp.strategy import Strategy
 
 from fedopd.core.settings import PrivacySettings, StrategySettings, TimeoutSettings
 from fedopd.core.strategies import CAPABILITIES, Capabilities, capabilities
 from fedtops_strategy.aggregators import make_aggregator
+from fedtops_strategy.base import ServerStrategy
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fedtops_se import FedTOPSHeldoutCache, FedTOPSStandardError
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
@@ -36,7 +34,7 @@ from fedtops_strategy.references import Centralized, LocalTraining
 
 __all__ = ["CAPABILITIES", "STRATEGIES", "Capabilities", "capabilities", "make_strategy", "register_strategy"]
 
-StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], Strategy]
+StrategyBuilder = Callable[[StrategySettings, dict[str, Any]], ServerStrategy]
 
 
 def _fedtops(cls: type[FedTOPS]) -> StrategyBuilder:
@@ -80,7 +78,7 @@ def make_strategy(
     privacy: PrivacySettings | None = None,
     max_examples: int | None = None,
     num_partitions: int | None = -1,
-) -> Strategy:
+) -> ServerStrategy:
     """The strategy registered as ``strategy.name``.
 
     Sampling is Flower's ``FedAvg``: each round trains ``max(int(fraction_train × connected),
@@ -109,7 +107,6 @@ def make_strategy(
         update_privacy = UpdatePrivacy(privacy, private_denominator(num_clients, cfg.fraction_train, cfg.min_train_clients))
     common = dict(
         fraction_train=cfg.fraction_train,
-        fraction_evaluate=0.0,  # no federated evaluation round: held-out evaluation is the app's own phase
         min_train_nodes=min_train,
         min_available_nodes=num_clients,
         sampling_seed=seed,
@@ -124,12 +121,4 @@ def make_strategy(
         # would change the schedule): timeout.skip-after has no effect (docs/privacy.md).
         skip_after=timeouts.skip_after if timeouts is not None and update_privacy is None else 0,
     )
-    # Flower warns that fraction_evaluate = 0 skips its evaluation round; here that is the design,
-    # so the warning is not passed on.
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    flwr_logger.setLevel(logging.ERROR)
-    try:
-        return STRATEGIES[cfg.name](cfg, common)
-    finally:
-        flwr_logger.setLevel(level)
+    return STRATEGIES[cfg.name](cfg, common)

@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 
 from fedtops_strategy.fedtops import FedTOPS
-from fedtops_strategy.replies import SCORE_SE, ScoreReply
+from fedtops_strategy.replies import SCORE_SE
 from fedtops_strategy.selection import feasible_indices
 
 SE_KEY = SCORE_SE
@@ -52,22 +52,19 @@ class FedTOPSStandardError(FedTOPS):
     strategy_name = "fedtops-se"
     score_config = {"score-se": True}
 
-    def refine(self, server_round: int, selection, scored: list[ScoreReply]) -> float:
-        record = self.records[server_round]
+    def refine(self, selection, fields: dict, scores, train) -> tuple[float, dict]:
         a = selection.multiplier
-        if a == 0.0 or selection.fallback or not record.get("scored-node-ids"):
-            return a
-        errors = {s.node_id: s.se for s in scored}  # checked at the boundary (replies.parse_score): None when invalid
-        scored = record["scored-node-ids"]
+        if a == 0.0 or selection.fallback or not fields.get("scored-node-ids"):
+            return a, {}
+        errors = {s.node_id: s.se for s in scores.replies}  # checked at the boundary (replies.parse_score): None when invalid
+        scored = fields["scored-node-ids"]
         rows = [errors.get(n) or [math.inf] * len(self.candidates) for n in scored]
-        se = combined_se(rows, [self.client_weights[n] for n in scored])
-        change = [[math.inf if v is None else v for v in row] for row in record["change_scores"]]
+        se = combined_se(rows, [scores.weights[n] for n in scored])
+        change = [[math.inf if v is None else v for v in row] for row in fields["change_scores"]]
         feasible = feasible_indices(change, self.trust_budget, len(self.candidates), self.feasibility_tol, self.max_vetoes)
-        teacher = [math.inf if v is None else v for v in record["teacher_scores"]]
+        teacher = [math.inf if v is None else v for v in fields["teacher_scores"]]
         refined = smallest_clear_step(self.candidates, teacher, se, feasible, a)
-        record["teacher-score-se"] = [v if math.isfinite(v) else None for v in se]
-        record["paper-multiplier"] = a
-        return refined
+        return refined, {"teacher-score-se": [v if math.isfinite(v) else None for v in se], "paper-multiplier": a}
 
 
 class FedTOPSHeldoutCache(FedTOPS):

@@ -18,7 +18,7 @@ Bounded = TypedDict("Bounded", {"node-id": int, "update-norm": float, "scale": f
 RoundRecord = TypedDict(
     "RoundRecord",
     {
-        # every round (fedtops_strategy/screening.py)
+        # every round (fedtops_strategy/round.py, RoundResult.to_record)
         "round": int,
         "strategy": str,
         "sampled-node-ids": list[int],
@@ -51,7 +51,7 @@ RoundRecord = TypedDict(
         "score_seconds": float,
         "teacher-score-se": list[float | None],
         "paper-multiplier": float,
-        # added by the ServerApp (server_app/app.py)
+        # added by the ServerApp (server_app/recorder.py)
         "seconds": float,
         "server-rss-mb": float,
         "excluded-node-ids": list[int],

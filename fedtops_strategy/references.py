@@ -18,15 +18,15 @@ from collections.abc import Iterable
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.serverapp.strategy import FedAvg
 
 from fedopd.models.lora import Named
-from fedtops_strategy.screening import ReplyScreening
+from fedtops_strategy.base import ServerStrategy
+from fedtops_strategy.round import ScoreRows, Step, TrainAggregate, TrainRound
 
 POOLED_CLIENTS = "pooled-clients"  # Centralized's train config: whose rollouts per round it takes
 
 
-class LocalTraining(ReplyScreening, FedAvg):
+class LocalTraining(ServerStrategy):
     """Independent Local training: each client keeps its own adapter, nothing is averaged."""
 
     strategy_name = "local"
@@ -35,6 +35,7 @@ class LocalTraining(ReplyScreening, FedAvg):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
+        # cross-round: Local's models, one per client
         self.client_arrays: dict[int, ArrayRecord] = {}  # node id -> its latest adapter
         self.partitions: dict[int, int] = {}  # node id -> partition id
 
@@ -45,19 +46,23 @@ class LocalTraining(ReplyScreening, FedAvg):
         """The same message with the destination client's own adapter (the initial one at first)."""
         node = message.metadata.dst_node_id
         content = RecordDict({key: value for key, value in message.content.items()})
-        content[self.arrayrecord_key] = self.client_arrays.get(node, initial)
+        content["arrays"] = self.client_arrays.get(node, initial)
         return Message(content=content, message_type=message.metadata.message_type, dst_node_id=node, group_id=message.metadata.group_id)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+    def aggregate_train(self, sent: TrainRound, replies: Iterable[Message]) -> TrainAggregate:
+        """The round's checked replies; nothing is averaged."""
+        kept, excluded, notes = self.screen(sent, replies)
+        return TrainAggregate(sent, kept, excluded, {r.node_id: float(r.num_examples) for r in kept}, None, None, notes=notes)
+
+    def step(self, train: TrainAggregate, scores: ScoreRows | None) -> Step:
         """Keep each checked reply's adapter as its node's own (by node id, from the metadata), and
-        the partition it last claimed without dispute as its label."""
-        kept = self.screen_train_replies(server_round, replies)
-        for reply in kept:
+        the partition it last claimed without dispute as its label; no global step (θ_t stays,
+        which nobody uses)."""
+        for reply in train.kept:
             if reply.partition_id is not None:  # a disputed claim came back without it: the label stays
                 self.partitions[reply.node_id] = reply.partition_id
             self.client_arrays[reply.node_id] = ArrayRecord({k: Array(np.asarray(v)) for k, v in reply.arrays.items()})
-        self.records[server_round]["multiplier"] = None
-        return None, None  # no global adapter: Flower keeps the initial one, which nobody uses
+        return Step(train.theta, None)
 
     def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
         return self.client_arrays.get(node_id, global_arrays)
@@ -76,32 +81,33 @@ class LocalTraining(ReplyScreening, FedAvg):
         return out
 
 
-class Centralized(ReplyScreening, FedAvg):
+class Centralized(ServerStrategy):
     """One learner on the pooled prompts; its adapter becomes the global one."""
 
     strategy_name = "centralized"
     learner = "centralized"
     averages_factors = False  # one learner: nothing is averaged
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        """The one learner's checked adapter is the global one (a = 1); none: the round holds."""
-        kept = self.screen_train_replies(server_round, replies)
-        record = self.records[server_round]
-        if not kept:
-            record.update({"multiplier": 0.0, "hold-reason": "no valid client update"})
-            return None, None
-        self.client_weights = {kept[0].node_id: 1.0}
-        record["multiplier"] = 1.0
-        return ArrayRecord({k: Array(np.asarray(v)) for k, v in kept[0].arrays.items()}), None
+    def aggregate_train(self, sent: TrainRound, replies: Iterable[Message]) -> TrainAggregate:
+        """The one learner's checked adapter (None: no valid update, the round holds)."""
+        kept, excluded, notes = self.screen(sent, replies)
+        mean = kept[0].arrays if kept else None
+        return TrainAggregate(sent, kept, excluded, {kept[0].node_id: 1.0} if kept else {}, mean, None, notes=notes)
+
+    def step(self, train: TrainAggregate, scores: ScoreRows | None) -> Step:
+        """The one learner's adapter is the global one (a = 1); none: the round holds."""
+        if train.mean is None:
+            return Step(train.theta, 0.0, {"hold-reason": "no valid client update"})
+        return Step(train.mean, 1.0)
 
     def prepare_messages(self, messages: list[Message], arrays: ArrayRecord) -> list[Message]:
         """One train message, to the sampled node with the smallest id; its config asks for the
         rollouts of every sampled client (``pooled-clients``)."""
         first = sorted(messages, key=lambda m: m.metadata.dst_node_id)[0]
         content = RecordDict({key: value for key, value in first.content.items()})
-        config = ConfigRecord(dict(first.content[self.configrecord_key]))
+        config = ConfigRecord(dict(first.content["config"]))
         config[POOLED_CLIENTS] = len(messages)
-        content[self.configrecord_key] = config
+        content["config"] = config
         return [
             Message(
                 content=content, message_type=first.metadata.message_type, dst_node_id=first.metadata.dst_node_id, group_id=first.metadata.group_id

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from logging import WARNING
 from typing import Any
 
@@ -126,7 +126,7 @@ class Silence:
 class NodeSampler:
     """Which nodes a round's train messages go to (Flower's FedAvg sampling, seeded).
 
-    ``sample`` runs the strategy's Flower ``configure_train`` (``flower_configure``) over a
+    ``sample`` runs Flower's FedAvg ``configure_train`` (``flower``) over a
     :class:`SortedNodes` view, with Python's ``random`` seeded from ``seed`` and the round and put
     back afterwards, so that the draw of round t depends only on the seed, t and the connected node
     ids. The first round this server runs (round 1, or the first round of a resumed run) waits for
@@ -137,28 +137,25 @@ class NodeSampler:
 
     def __init__(self, seed: int = 0, start_timeout: float = float("inf")) -> None:
         self.seed, self.start_timeout = seed, start_timeout
-        self.first_round: int | None = None
-        self.sampled_node_ids: list[int] = []  # the nodes the last round's train messages went to
-        self.skipped_node_ids: list[int] = []  # the nodes it left out because they sit out
+        self.first_round: int | None = None  # the first round this server ran (it waited for num-clients)
 
-    def sample(self, strategy, flower_configure: Callable, server_round: int, arrays, config, grid, sitting_out: frozenset[int]) -> list[Message]:
+    def sample(self, flower, server_round: int, arrays, config, grid, sitting_out: frozenset[int]) -> tuple[list[Message], list[int]]:
+        """(the train messages to the round's sampled nodes, in Flower's random order; the nodes
+        left out because they sit out)."""
         if self.first_round is None:
             self.first_round = server_round
         elif server_round != self.first_round:
-            strategy.min_available_nodes = strategy.min_train_nodes
-        saved, min_train = random.getstate(), strategy.min_train_nodes
+            flower.min_available_nodes = flower.min_train_nodes
+        saved, min_train = random.getstate(), flower.min_train_nodes
         random.seed(f"fedtops-sampling:{self.seed}:{server_round}")
         if server_round == self.first_round:
             # Flower sizes the sample on the nodes connected *before* it waits for
             # min_available_nodes; the first round samples from the num-clients it waits for.
-            strategy.min_train_nodes = max(min_train, int(strategy.min_available_nodes * strategy.fraction_train))
-        view = SortedNodes(grid, max(strategy.min_available_nodes, min_train), self.start_timeout, sitting_out, server_round)
-        self.skipped_node_ids = []
+            flower.min_train_nodes = max(min_train, int(flower.min_available_nodes * flower.fraction_train))
+        view = SortedNodes(grid, max(flower.min_available_nodes, min_train), self.start_timeout, sitting_out, server_round)
         try:
-            sampled = list(flower_configure(server_round, arrays, config, view))
+            sampled = list(flower.configure_train(server_round, arrays, config, view))
         finally:
             random.setstate(saved)
-            strategy.min_train_nodes = min_train
-            self.skipped_node_ids = view.left_out
-        self.sampled_node_ids = sorted(int(m.metadata.dst_node_id) for m in sampled)
-        return sampled
+            flower.min_train_nodes = min_train
+        return sampled, view.left_out

@@ -31,6 +31,7 @@ from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
 from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
 from fedtops_strategy.privacy import PrivacyBudgetSpent, read_journal
+from fedtops_strategy.round import play_round
 from fedtops_strategy.sampling import NodesNotConnected
 from server_app.error_lines import reason_line
 from server_app.grid import PromptGrid
@@ -347,31 +348,42 @@ def check_positions(cfg: RunConfig) -> None:
 
 
 def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, privacy: NoPrivacy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
-    """Algorithm 1 from the round after ``done``: each round trains, scores (FedTOPS), is recorded
-    with its evaluation when due, and may end the run (:class:`StopRules`, the privacy budget)."""
+    """Algorithm 1 from the round after ``done``: each round trains, scores (FedTOPS) and steps
+    (:func:`fedtops_strategy.round.play_round`), is recorded with its evaluation when due, and may
+    end the run (:class:`StopRules`, the privacy budget)."""
     started_run = time.perf_counter()
-    supports = capabilities(cfg.strategy.name)
-    recorder = RoundRecorder(grid, cfg, strategy, run, trackers, supports.per_client_adapters)
+    recorder = RoundRecorder(grid, cfg, strategy, run, trackers, capabilities(cfg.strategy.name).per_client_adapters)
     stop_rules = StopRules.for_run(cfg, private=privacy.private)
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
     privacy.announce(cfg.num_server_rounds - done)
-    global_arrays = ArrayRecord({n: Array(a) for n, a in arrays.items()})
+    theta = ArrayRecord({n: Array(a) for n, a in arrays.items()})
     if done == 0:
-        recorder.record(0, global_arrays)
+        recorder.record_start(theta)
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
         # The budget, before anything of the round is released (its releases are known in advance)
-        stop = privacy.budget_stop(server_round)
-        if stop is not None:
+        if (stop := privacy.budget_stop(server_round)) is not None:
             log(WARNING, "FedTOPS run stopped on its privacy budget: %s", stop)
             run.write_status("budget-spent", server_round - 1, error=stop)
             _finish(run, cfg, started_run)
             return run.path
         log(INFO, "[ROUND %d/%d]", server_round, cfg.num_server_rounds)
-        resume_round = done if server_round == done + 1 and done > 0 else None
-        global_arrays, traffic = train_and_score(grid, cfg, strategy, run, server_round, global_arrays, resume_round, supports.score_phase)
-        failure = stop_rules.after(server_round, strategy.records.get(server_round, {}))
-        recorder.record(server_round, global_arrays, evaluate=failure is None, traffic=traffic)  # excluded reasons and all
+        try:
+            result = play_round(
+                strategy,
+                grid,
+                server_round,
+                theta,
+                round_config(run, server_round, done),
+                train_timeout=cfg.timeout.train,
+                score_timeout=cfg.timeout.score,
+                meter=grid.phase_traffic,
+            )
+        except NodesNotConnected as err:
+            raise RunFailed(str(err)) from None
+        theta, record = result.step.arrays(), result.to_record()
+        failure = stop_rules.after(server_round, record)
+        recorder.record(result, record, theta, evaluate=failure is None)  # excluded reasons and all
         if failure is not None:
             raise failure
     run.write_status("completed", cfg.num_server_rounds)
@@ -379,28 +391,13 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, privacy: NoPrivacy, 
     return run.path
 
 
-def train_and_score(
-    grid: PromptGrid, cfg: RunConfig, strategy, run: RunFolder, server_round: int, theta: ArrayRecord, resume_round: int | None, score_phase: bool
-) -> tuple[ArrayRecord, dict]:
-    """One round's train and score phases: (θ_{t+1}, θ_t where the round holds; the bytes per
-    node of each phase, for the round record). ``resume_round``: the round the clients restore
-    their state of (the first round of a resumed run)."""
+def round_config(run: RunFolder, server_round: int, done: int) -> ConfigRecord:
+    """The train messages' config from the app: the run folder, and on the first round of a
+    resumed run the round whose state the clients restore (``resume-round``)."""
     config = ConfigRecord({"run-dir": str(run.path.resolve())})
-    if resume_round is not None:
-        config["resume-round"] = resume_round
-    # train: θ_t out, θ_{t,i}^+ back; screened and averaged (FedTOPS keeps Δ_t)
-    try:
-        messages = strategy.configure_train(server_round, theta, config, grid)
-    except NodesNotConnected as err:
-        raise RunFailed(str(err)) from None
-    replies = grid.send_and_receive(messages, timeout=cfg.timeout.train)
-    traffic = {"train": grid.last_traffic}
-    new, _ = strategy.aggregate_train(server_round, replies)
-    # score (FedTOPS): Δ_t and the candidates out, Ĵ_i(a) and K̂_i(a) back; θ_t + a_t Δ_t
-    if new is not None and score_phase:
-        new, _ = strategy.score_phase(server_round, grid, cfg.timeout.score)
-        traffic["score"] = grid.last_traffic
-    return (theta if new is None else new), traffic
+    if server_round == done + 1 and done > 0:
+        config["resume-round"] = done
+    return config
 
 
 def _finish(run: RunFolder, cfg: RunConfig, started_run: float) -> None:

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
 from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, settle_partition_claims
-from fedtops_strategy.screening import parse_replies
+from fedtops_strategy.base import parse_replies
 
 EVALUATE = "evaluate"
 

@@ -111,6 +111,10 @@ class PromptGrid(Grid):
         self.last_traffic = phase_traffic([m for m, _ in pushed], replies, [size for _, size in pushed])
         return replies
 
+    def phase_traffic(self) -> list[dict[str, int]]:
+        """The bytes per node of the last :meth:`send_and_receive` (a round's phase)."""
+        return self.last_traffic
+
     def _hooks(self, reply: Message, message: Message | None) -> None:
         """``on_error`` and ``on_reply`` for one reply. They log and record; a reply that makes
         them fail (whatever a client put in it) is logged and left to the phase's screening:

@@ -14,6 +14,7 @@ from flwr.common.logger import log
 from fedopd.config import RunConfig
 from fedopd.core.procinfo import rss_mb
 from fedopd.models.lora import from_record
+from fedtops_strategy.round import RoundResult
 from server_app.evaluation import evaluate_round, is_evaluation_round
 from server_app.log_lines import round_summary
 from server_app.progress import FIGURE, draw, run_title
@@ -30,28 +31,36 @@ class RoundRecorder:
         self.per_client = per_client_adapters
         self.title = run_title(cfg.to_run_config())
 
-    def record(self, server_round: int, global_arrays: ArrayRecord, evaluate: bool = True, traffic: dict | None = None) -> None:
-        """Save the round's adapters, evaluate on the held-out prompts when due, write the record
-        (with ``traffic``, the bytes per node of the phases run so far, and the evaluation's)."""
-        cfg, strategy = self.cfg, self.strategy
-        traffic = dict(traffic or {})
-        if server_round == 0:
-            record = {"round": 0, "strategy": cfg.strategy.name}
-        else:
-            record = strategy.records.get(server_round, {"round": server_round, "strategy": cfg.strategy.name})
-            record["seconds"] = time.perf_counter() - strategy.round_started
-            record["server-rss-mb"] = rss_mb()
-            record["excluded-node-ids"] = sorted({int(e["node-id"]) for e in record.get("excluded", [])})
-            self.save_adapters(server_round, global_arrays)
-        if evaluate and is_evaluation_round(server_round, cfg.eval.every, cfg.num_server_rounds):
-            started = time.perf_counter()
-            record["evaluation"] = self.evaluate(server_round, global_arrays)
-            record["eval_seconds"] = time.perf_counter() - started
-            traffic["evaluate"] = self.grid.last_traffic
+    def record_start(self, theta: ArrayRecord) -> None:
+        """Round 0: the evaluation of the initial adapter, when due."""
+        if is_evaluation_round(0, self.cfg.eval.every, self.cfg.num_server_rounds):
+            record: dict = {"round": 0, "strategy": self.cfg.strategy.name}
+            traffic = self.add_evaluation(0, theta, record)
+            record["communication"] = round_communication(traffic)
+            self.write(0, record)
+
+    def record(self, result: RoundResult, record: dict, theta: ArrayRecord, evaluate: bool = True) -> None:
+        """Save the round's adapters, evaluate on the held-out prompts when due, and write the
+        round's ``record`` (:meth:`RoundResult.to_record`) with the server's timings, memory, the
+        bytes per node of each phase (``communication``) and the evaluation."""
+        server_round = result.server_round
+        record["seconds"] = time.perf_counter() - result.train.sent.started
+        record["server-rss-mb"] = rss_mb()
+        record["excluded-node-ids"] = sorted({int(e["node-id"]) for e in record.get("excluded", [])})
+        self.save_adapters(server_round, theta)
+        traffic = dict(result.traffic)
+        if evaluate and is_evaluation_round(server_round, self.cfg.eval.every, self.cfg.num_server_rounds):
+            traffic.update(self.add_evaluation(server_round, theta, record))
         if traffic:
             record["communication"] = round_communication(traffic)
-        if server_round > 0 or "evaluation" in record:
-            self.write(server_round, record)
+        self.write(server_round, record)
+
+    def add_evaluation(self, server_round: int, theta: ArrayRecord, record: dict) -> dict:
+        """The held-out evaluation into ``record`` (``evaluation``, ``eval_seconds``); its traffic."""
+        started = time.perf_counter()
+        record["evaluation"] = self.evaluate(server_round, theta)
+        record["eval_seconds"] = time.perf_counter() - started
+        return {"evaluate": self.grid.phase_traffic()}
 
     def save_adapters(self, server_round: int, global_arrays: ArrayRecord) -> None:
         """θ_{t+1}, or each client's own adapter where there is no global one (Local)."""

@@ -24,7 +24,7 @@ from flwr.app import Message, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from fedtops_strategy.replies import content_bytes as buffer_bytes
-from fedtops_strategy.screening import reply_nodes
+from fedtops_strategy.sampling import reply_nodes
 
 PHASES = ("train", "score", "evaluate")  # the keys of a round's "communication", in round order
 
@@ -69,7 +69,7 @@ def phase_traffic(sent: Sequence[Message], replies: Sequence[Message], sizes: Se
 
     ``sent`` are the messages pushed (with their message ids, to match the replies), ``sizes``
     their sizes if measured before the push (else measured here); each reply counts for the node
-    it answers for (:func:`~fedtops_strategy.screening.reply_nodes`). A node that was sent a
+    it answers for (:func:`~fedtops_strategy.sampling.reply_nodes`). A node that was sent a
     message and did not reply has received 0.
     """
     sizes = sent_bytes(sent) if sizes is None else list(sizes)

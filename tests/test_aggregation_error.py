@@ -158,18 +158,17 @@ UPDATES = {1: _scalar(2.0, 2.0), 2: _scalar(0.0, 0.0)}
 def _round(strategy, scores=None):
     from flwr.app import Array, ArrayRecord
 
+    from fedtops_strategy.round import play_round
+
     grid = FakeGrid({n: list(u.values()) for n, u in UPDATES.items()}, {1: 10, 2: 10}, scores=scores)
     import tests.test_strategies as ts
 
     keys, ts.KEYS = ts.KEYS, list(THETA)  # the fake replies carry this test's factor names
     try:
         arrays = ArrayRecord({k: Array(v) for k, v in THETA.items()})
-        new, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, arrays, ConfigRecord(), grid)))
-        if new is not None and hasattr(strategy, "configure_score"):
-            new, _ = strategy.aggregate_score(1, grid.send_and_receive(strategy.configure_score(1, strategy.increment, grid)))
+        return play_round(strategy, grid, 1, arrays, ConfigRecord(), train_timeout=None, score_timeout=None).to_record()
     finally:
         ts.KEYS = keys
-    return strategy.records[1]
 
 
 def _common():

@@ -81,10 +81,10 @@ def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se
     strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
     assert isinstance(strategy, FedTOPSStandardError)
     grid = FakeGrid(UPDATES, EQUAL, scores=SCORES, extra={("query.score", n): {"teacher-score-se": [se] * 6} for n in (1, 2)})
-    _run(strategy, grid)
+    ran = _run(strategy, grid)
     query = next(m for m in grid.sent if m.metadata.message_type == "query.score")
     assert query.content.config_records["config"]["score-se"] is True
-    record = strategy.records[1]
+    record = ran.records[1]
     assert (record["paper-multiplier"], record["multiplier"]) == (2.0, expected)
     assert record["teacher-score-se"][0] == pytest.approx(se / math.sqrt(2), rel=1e-12)
 
@@ -98,17 +98,17 @@ def test_fedtops_se_refines_the_paper_choice_from_the_clients_standard_errors(se
 def test_a_client_without_valid_standard_errors_keeps_fedtops_se_at_the_smallest_feasible_a(node2):
     strategy = make_strategy(StrategySettings(name="fedtops-se"), num_clients=2)
     extra = {("query.score", 1): {"teacher-score-se": [0.01] * 6}, ("query.score", 2): node2}
-    _run(strategy, FakeGrid(UPDATES, EQUAL, scores=SCORES, extra=extra))
-    assert strategy.records[1]["multiplier"] == 0.5
+    ran = _run(strategy, FakeGrid(UPDATES, EQUAL, scores=SCORES, extra=extra))
+    assert ran.records[1]["multiplier"] == 0.5
 
 
 def test_the_paper_fedtops_score_query_asks_for_nothing_more():
     strategy = make_strategy(StrategySettings(name="fedtops"), num_clients=2)
     grid = FakeGrid(UPDATES, EQUAL, scores=SCORES)
-    _run(strategy, grid)
+    ran = _run(strategy, grid)
     query = next(m for m in grid.sent if m.metadata.message_type == "query.score")
     assert dict(query.content.config_records["config"]) == {"candidates": [0.5, 1.0, 2.0, 3.0, 5.0, 10.0], "server-round": 1}
-    assert strategy.records[1]["multiplier"] == 2.0 and "paper-multiplier" not in strategy.records[1]
+    assert ran.records[1]["multiplier"] == 2.0 and "paper-multiplier" not in ran.records[1]
 
 
 def test_fedtops_se_is_a_registered_strategy_name():

@@ -39,6 +39,7 @@ from fedtops_strategy.privacy import (
     read_journal,
     score_noise_stds,
 )
+from fedtops_strategy.round import play_round
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 FIXED = settings(max_examples=60, derandomize=True, deadline=None, database=None)
@@ -75,11 +76,11 @@ def _rel_se(n: int) -> float:
 def test_the_private_mean_weighs_every_update_equally():
     # C = 100 clips nothing and z = 0 adds nothing: θ + (u1 + u2) / 2 = (0.5 + 1.0, -1 + 1.5),
     # not the num-examples-weighted 1.75 / 0.75 of FedAvg (weights 1 and 3).
-    strategy = _strategy()
-    new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
+    result = play_round(_strategy(), FakeGrid(UPDATES, WEIGHTS), 1, _record(THETA), ConfigRecord(), train_timeout=None, score_timeout=None)
+    new = list(result.step.theta.values())
     np.testing.assert_allclose(new[0], 1.5, rtol=1e-6)
     np.testing.assert_allclose(new[1], 0.5, rtol=1e-6)
-    assert strategy.client_weights == {1: 1.0, 2: 1.0}
+    assert result.train.weights == {1: 1.0, 2: 1.0}
 
 
 def test_server_side_clipping_bounds_each_update_at_c_before_the_mean():
@@ -88,15 +89,15 @@ def test_server_side_clipping_bounds_each_update_at_c_before_the_mean():
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
     np.testing.assert_allclose(new[0], 0.5 + (U1[0] / N1 + U2[0] / N2) / 2, rtol=1e-6)
     np.testing.assert_allclose(new[1], -1.0 + (U1[1] / N1 + U2[1] / N2) / 2, rtol=1e-6)
-    public, diagnostics = strategy.records[1]["privacy"], strategy.records[1]["privacy-diagnostics"]
+    public, diagnostics = new.records[1]["privacy"], new.records[1]["privacy-diagnostics"]
     assert public["clip-norm"] == 1.0 and public["denominator"] == 2
     assert diagnostics == {"updates-averaged": 2, "updates-clipped": 2, "update-norm-median": pytest.approx((N1 + N2) / 2, rel=1e-6)}
 
 
 def test_the_published_privacy_field_holds_no_norm_and_no_count_of_who_replied():
     strategy = _strategy(clip_norm=1.0, noise_multiplier=1.0)
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, lost={2: ("train", "superlink")}))
-    public = strategy.records[1]["privacy"]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, lost={2: ("train", "superlink")}))
+    public = ran.records[1]["privacy"]
     assert set(public) == {
         "denominator",
         "clip-norm",
@@ -109,7 +110,7 @@ def test_the_published_privacy_field_holds_no_norm_and_no_count_of_who_replied()
         "delta",
         "releases",
     }
-    assert strategy.records[1]["privacy-diagnostics"]["updates-averaged"] == 1
+    assert ran.records[1]["privacy-diagnostics"]["updates-averaged"] == 1
 
 
 def test_a_fixed_multiplier_moves_a_times_along_the_private_mean():
@@ -129,7 +130,7 @@ def test_a_client_that_fails_counts_as_a_zero_update_over_the_fixed_n():
     new = _run(strategy, grid)
     np.testing.assert_allclose(new[0], 0.5 + U1[0] / 2, rtol=1e-6)
     np.testing.assert_allclose(new[1], -1.0 + U1[1] / 2, rtol=1e-6)
-    assert [e["node-id"] for e in strategy.records[1]["excluded"]] == [2]
+    assert [e["node-id"] for e in new.records[1]["excluded"]] == [2]
 
 
 def test_a_round_without_any_update_still_releases_theta_plus_noise():
@@ -138,8 +139,8 @@ def test_a_round_without_any_update_still_releases_theta_plus_noise():
     lost = FakeGrid(UPDATES, WEIGHTS, lost={1: ("train", "silent"), 2: ("train", "silent")})
     new = _run(strategy, lost)
     assert not np.allclose(new[0], THETA[0])  # 6 draws of std 1: all within 1e-8 of 0 has probability ~1e-48
-    assert strategy.records[1]["privacy"]["releases"] == 1
-    assert strategy.records[1]["multiplier"] == 1.0
+    assert new.records[1]["privacy"]["releases"] == 1
+    assert new.records[1]["multiplier"] == 1.0
 
 
 def test_a_round_asks_at_most_n_clients_when_more_are_connected():
@@ -148,9 +149,9 @@ def test_a_round_asks_at_most_n_clients_when_more_are_connected():
     updates = {**UPDATES, 3: [np.full((2, 3), 0.0), np.full((3,), 0.0)]}
     strategy = _strategy()
     grid = FakeGrid(updates, {1: 1, 2: 1, 3: 1})
-    _run(strategy, grid)
+    ran = _run(strategy, grid)
     assert len([m for m in grid.sent if m.metadata.message_type == "train"]) == 2
-    assert len(strategy.records[1]["sampled-node-ids"]) == 2
+    assert len(ran.records[1]["sampled-node-ids"]) == 2
 
 
 def _big(num: int = 38_912) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -201,13 +202,12 @@ class _BigGrid(FakeGrid):
 
 
 def _private_round(updates, theta, keys, lost=None, **kw):
-    """One train phase of a private FedAvg over ``updates`` (node -> θ + u); (released θ̃, the strategy)."""
+    """One round of a private FedAvg over ``updates`` (node -> θ + u); (released θ̃, the round's record)."""
     strategy = make_strategy(StrategySettings(name="fedavg"), num_clients=3, privacy=_dp(**kw))
     grid = _BigGrid(updates, lost)
     record = ArrayRecord({k: Array(theta[k]) for k in keys})
-    replies = grid.send_and_receive(strategy.configure_train(1, record, ConfigRecord(), grid))
-    new, _ = strategy.aggregate_train(1, replies)
-    return {k: new[k].numpy() for k in keys}, strategy
+    result = play_round(strategy, grid, 1, record, ConfigRecord(), train_timeout=None, score_timeout=None)
+    return {k: result.step.theta[k] for k in keys}, {1: result.to_record()}
 
 
 def test_the_noise_measured_on_a_private_round_is_the_stated_z_c_over_n_and_the_reported_epsilon_covers_it():
@@ -216,18 +216,18 @@ def test_the_noise_measured_on_a_private_round_is_the_stated_z_c_over_n_and_the_
     # is the noise: 38,912 draws estimate its std to 0.36 % (tolerance 6 of those, 2.2 %).
     theta, keys = _big()
     ups = {1: _direction(theta, 1, 3.0), 2: _direction(theta, 2, 0.5), 3: {k: v.copy() for k, v in theta.items()}}
-    released, strategy = _private_round(ups, theta, keys, clip_norm=1.0, noise_multiplier=1.3)
+    released, records = _private_round(ups, theta, keys, clip_norm=1.0, noise_multiplier=1.3)
     expected = (_flat(ups[1], keys) / 3.0 + _flat(ups[2], keys)) / 3
     noise = _flat(released, keys) - expected
     stated = 1.3 * 1.0 / 3
     tol = 6 * _rel_se(noise.size)
     assert np.std(noise) == pytest.approx(stated, rel=tol)
     assert abs(np.mean(noise)) < 6 * stated / math.sqrt(noise.size)
-    assert strategy.records[1]["privacy"]["update-noise-std"] == pytest.approx(stated, rel=1e-12)
+    assert records[1]["privacy"]["update-noise-std"] == pytest.approx(stated, rel=1e-12)
     # The largest noise the measurement allows, as a multiplier (sensitivity C/n): its ε is a lower
     # bound on the mechanism's, and the run must report at least that.
     measured_z = np.std(noise) * (1 + tol) / (1.0 / 3)
-    reported = strategy.records[1]["privacy"]["epsilon"]
+    reported = records[1]["privacy"]["epsilon"]
     assert reported >= _independent_epsilon(measured_z)
     assert reported == pytest.approx(_independent_epsilon(1.3), rel=1e-3)
 
@@ -238,13 +238,13 @@ def test_neighbouring_federations_release_with_the_same_noise_and_means_c_over_n
     theta, keys = _big()
     ups = {1: _direction(theta, 1, 0.4), 2: _direction(theta, 2, 0.7), 3: _direction(theta, 3, 5.0)}
     with_3, _ = _private_round(ups, theta, keys, clip_norm=1.0, noise_multiplier=1.0)
-    without_3, strategy = _private_round(ups, theta, keys, lost={3: True}, clip_norm=1.0, noise_multiplier=1.0)
+    without_3, records = _private_round(ups, theta, keys, lost={3: True}, clip_norm=1.0, noise_multiplier=1.0)
     base = (_flat(ups[1], keys) + _flat(ups[2], keys)) / 3
     clipped_3 = _flat(ups[3], keys) / 5.0  # clipped to norm 1
     tol = 6 * _rel_se(base.size)
     for noise in (_flat(with_3, keys) - base - clipped_3 / 3, _flat(without_3, keys) - base):
         assert np.std(noise) == pytest.approx(1.0 / 3, rel=tol)
-    assert strategy.records[1]["privacy"]["update-noise-std"] == pytest.approx(1.0 / 3, rel=1e-12)
+    assert records[1]["privacy"]["update-noise-std"] == pytest.approx(1.0 / 3, rel=1e-12)
     assert np.linalg.norm(clipped_3 / 3) == pytest.approx(1.0 / 3, rel=1e-6)
 
 
@@ -254,11 +254,11 @@ def test_a_reply_refused_at_the_boundary_does_not_change_the_noise():
     theta, keys = _big()
     bad = {keys[0]: np.zeros((1, 1), np.float32), keys[1]: np.zeros((1, 1), np.float32)}
     ups = {1: _direction(theta, 1, 0.4), 2: _direction(theta, 2, 0.7), 3: bad}
-    released, strategy = _private_round(ups, theta, keys, clip_norm=2.0, noise_multiplier=0.5)
+    released, records = _private_round(ups, theta, keys, clip_norm=2.0, noise_multiplier=0.5)
     noise = _flat(released, keys) - (_flat(ups[1], keys) + _flat(ups[2], keys)) / 3
     assert np.std(noise) == pytest.approx(0.5 * 2.0 / 3, rel=6 * _rel_se(noise.size))
-    assert [e["node-id"] for e in strategy.records[1]["excluded"]] == [3]
-    assert strategy.records[1]["privacy-diagnostics"]["updates-averaged"] == 2
+    assert [e["node-id"] for e in records[1]["excluded"]] == [3]
+    assert records[1]["privacy-diagnostics"]["updates-averaged"] == 2
 
 
 def test_a_zero_update_is_a_valid_update_on_the_server():
@@ -424,7 +424,7 @@ def test_client_side_an_update_longer_than_c_is_clipped_again_on_the_server():
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
     np.testing.assert_allclose(new[0], 0.5 + (U1[0] + 3 * U2[0] / N2) / 2, rtol=1e-6)
     np.testing.assert_allclose(new[1], -1.0 + (U1[1] + 3 * U2[1] / N2) / 2, rtol=1e-6)
-    assert not strategy.records[1]["excluded"]
+    assert not new.records[1]["excluded"]
 
 
 @pytest.mark.parametrize(
@@ -441,8 +441,8 @@ def test_client_side_an_update_longer_than_c_is_clipped_again_on_the_server():
 def test_client_side_adaptive_a_norm_bit_the_update_contradicts_is_refused(clip_norm, bit, refused):
     strategy = _strategy(side="client", clipping="adaptive", clip_norm=clip_norm, noise_multiplier=0.0)
     grid = FakeGrid(UPDATES, WEIGHTS, extra={("train", 1): {"norm_bit": bit}, ("train", 2): {"norm_bit": 1}})
-    _run(strategy, grid)
-    excluded = strategy.records[1]["excluded"]
+    ran = _run(strategy, grid)
+    excluded = ran.records[1]["excluded"]
     if refused is None:
         assert not excluded
     else:
@@ -454,7 +454,7 @@ def test_client_side_adaptive_a_reply_without_its_norm_bit_is_left_out_not_a_cra
     grid = FakeGrid(UPDATES, WEIGHTS, extra={("train", 1): {"norm_bit": 0}})
     new = _run(strategy, grid)
     np.testing.assert_allclose(new[0], 0.5 + U1[0] / 2, rtol=1e-6)  # node 2 adds a zero update
-    [excluded] = strategy.records[1]["excluded"]
+    [excluded] = new.records[1]["excluded"]
     assert excluded["node-id"] == 2 and "norm_bit" in excluded["reason"]
 
 
@@ -553,7 +553,7 @@ def test_fedtops_still_scores_and_selects_under_dp():
     inc = query[0].content.array_records["increment"].to_numpy_ndarrays()
     np.testing.assert_allclose(inc[0], 1.0, rtol=1e-6)
     np.testing.assert_allclose(inc[1], 1.5, rtol=1e-6)
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["multiplier"] == 2.0 and not record["fallback"]
     np.testing.assert_allclose(new[0], 0.5 + 2 * 1.0, rtol=1e-6)
     # What is recorded is what was released: clipped (9.0 -> 1.0, inf -> 0.1)
@@ -569,8 +569,8 @@ def test_a_client_without_valid_scores_gets_the_public_row_which_allows_a_up_to_
     # means 0.475 and 0.425: a = 1. The cap did not read who answered (multiplier-cap None).
     assert public_score_row((0.5, 1.0, 2.0, 3.0, 5.0, 10.0), 0.1) == ([0.0] * 6, [0.0, 0.0, 0.1, 0.1, 0.1, 0.1])
     strategy = _strategy(name="fedtops")
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={2: SCORES[2]}))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={2: SCORES[2]}))
+    record = ran.records[1]
     assert record["multiplier"] == 1.0 and record["multiplier-cap"] is None
     assert record["scored-node-ids"] == [1, 2] and record["change_scores"][0] == [0.0, 0.0, 0.1, 0.1, 0.1, 0.1]
     assert record["teacher_scores"][:2] == [pytest.approx(0.475, rel=1e-12), pytest.approx(0.425, rel=1e-12)]
@@ -1069,8 +1069,9 @@ def test_fedtops_start_stops_before_a_round_its_budget_cannot_pay_for_and_return
     strategy = _strategy(name="fedtops", noise_multiplier=1.0, score_noise=1.0, max_epsilon=40.0)
     fit = strategy.privacy.rounds_within_budget(True, 50)
     assert 1 <= fit < 50
-    result = strategy.start(FakeGrid(UPDATES, WEIGHTS, scores=SCORES), _record(THETA), num_rounds=50, timeout=60.0)
-    assert sorted(strategy.records) == list(range(1, fit + 1)) and sorted(result.train_metrics_clientapp) == list(range(1, fit + 1))
+    rounds = []
+    result = strategy.start(FakeGrid(UPDATES, WEIGHTS, scores=SCORES), _record(THETA), num_rounds=50, timeout=60.0, on_round=rounds.append)
+    assert [r.server_round for r in rounds] == list(range(1, fit + 1)) and sorted(result.train_metrics_clientapp) == list(range(1, fit + 1))
     assert strategy.privacy.ledger.epsilons([])["epsilon"] <= 40.0
 
 

@@ -179,10 +179,10 @@ def test_the_first_round_of_a_resumed_run_waits_for_num_clients_nodes_and_later_
     strategy = make_strategy(StrategySettings(name=name), num_clients=3)
     grid = _JoiningGrid()
     grid.later = [11, 12, 13]
-    first = strategy.configure_train(3, arrays, ConfigRecord({"resume-round": 2}), grid)  # resumed after round 2
+    first = strategy.configure_train(3, arrays, ConfigRecord({"resume-round": 2}), grid).messages  # resumed after round 2
     assert sorted(m.metadata.dst_node_id for m in first) == [11, 12, 13] and grid.polls > 3
     grid.polls, grid.later = 4, [11]  # nodes 12 and 13 are lost again
-    second = strategy.configure_train(4, arrays, ConfigRecord(), grid)
+    second = strategy.configure_train(4, arrays, ConfigRecord(), grid).messages
     assert [m.metadata.dst_node_id for m in second] == [11]
 
 

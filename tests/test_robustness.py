@@ -24,7 +24,7 @@ from test_strategies import THETA, FakeGrid, _common, _record, _run, message
 from fedopd.config import ConfigError, StrategySettings, TimeoutSettings, parse_run_config
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
 from fedtops_strategy.bounds import capped_weights, clip_scales, update_norm
-from fedtops_strategy.screening import NodesNotConnected
+from fedtops_strategy.sampling import NodesNotConnected
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -73,7 +73,7 @@ def test_a_huge_update_decides_fedavg_without_clipping_and_is_bounded_with_it():
     entry = 2 * math.sqrt(25.5) / 3
     np.testing.assert_allclose(new[0], 0.5 + (0.5 + 1.5 + entry) / 3, rtol=1e-6)
     np.testing.assert_allclose(new[1], -1.0 + (1.0 + 2.0 + entry) / 3, rtol=1e-6)
-    [b1, b2, b3] = strategy.records[1]["bounded"]
+    [b1, b2, b3] = new.records[1]["bounded"]
     assert (b1["scale"], b2["scale"]) == (1.0, 1.0)
     assert b3["node-id"] == 3 and b3["update-norm"] == pytest.approx(3e6, rel=1e-6)
     assert b3["scale"] == pytest.approx(2 * math.sqrt(25.5) / 3e6, rel=1e-6)
@@ -90,7 +90,7 @@ def test_an_inflated_weight_decides_the_average_without_a_cap_and_is_cut_with_it
     new = _run(strategy, FakeGrid(updates, weights))
     np.testing.assert_allclose(new[0], 0.5 + (0.5 + 1.5 + 2 * 2.5) / 4, rtol=1e-6)
     np.testing.assert_allclose(new[1], -1.0 + (1.0 + 2.0 + 2 * 3.0) / 4, rtol=1e-6)
-    assert [b["weight"] for b in strategy.records[1]["bounded"]] == [1.0, 1.0, 2.0]
+    assert [b["weight"] for b in new.records[1]["bounded"]] == [1.0, 1.0, 2.0]
 
 
 def test_the_teacher_score_weights_are_the_capped_train_weights():
@@ -98,9 +98,9 @@ def test_the_teacher_score_weights_are_the_capped_train_weights():
     weights = {1: 1, 2: 1, 3: 100}
     scores = {1: ([0.4] * 6, [0.0] * 6), 2: ([0.4] * 6, [0.0] * 6), 3: ([0.0] * 6, [0.0] * 6)}
     strategy = FedTOPS(max_weight=2.0, **_common(3))
-    _run(strategy, FakeGrid(updates, weights, scores))
+    ran = _run(strategy, FakeGrid(updates, weights, scores))
     # Ĵ = (0.4 + 0.4 + 2 * 0) / 4 = 0.2 (uncapped it would be 0.8 / 102)
-    assert strategy.records[1]["teacher_scores"] == pytest.approx([0.2] * 6, rel=1e-15)
+    assert ran.records[1]["teacher_scores"] == pytest.approx([0.2] * 6, rel=1e-15)
 
 
 class ClaimingGrid(FakeGrid):
@@ -124,8 +124,8 @@ def test_a_score_replys_own_weight_is_not_used():
     j3 = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     scores = {1: ([0.3, 0.2, 0.3, 0.3, 0.3, 0.0], [0.0] * 6), 2: ([0.3, 0.2, 0.3, 0.3, 0.3, 0.0], [0.0] * 6), 3: (j3, [0.0] * 6)}
     strategy = FedTOPS(**_common(3))
-    _run(strategy, ClaimingGrid(updates, EQUAL, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, ClaimingGrid(updates, EQUAL, scores))
+    record = ran.records[1]
     assert record["teacher_scores"] == pytest.approx([0.2, 0.4 / 3, 0.2, 0.2, 0.2, 1 / 3], rel=1e-12)
     assert record["multiplier"] == 1.0  # 0.133 at a = 1 is the lowest
 
@@ -143,7 +143,7 @@ def test_a_fixed_step_that_overflows_holds_and_keeps_theta():
     with np.errstate(over="ignore"):
         new = _run(strategy, FakeGrid({**HONEST, 3: OVERFLOWING}, EQUAL))
     assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["multiplier"] == 0.0 and record["hold-reason"] == "θ_t + 5 Δ_t is not finite"
 
 
@@ -154,7 +154,7 @@ def test_a_fedtops_candidate_that_overflows_holds_and_keeps_theta():
     with np.errstate(over="ignore"):
         new = _run(strategy, FakeGrid({**HONEST, 3: OVERFLOWING}, EQUAL, scores))
     assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["selected-multiplier"] == 10.0 and record["multiplier"] == 0.0
     assert record["hold-reason"] == "θ_t + 10 Δ_t is not finite"
 
@@ -172,8 +172,8 @@ def test_a_huge_teacher_score_at_every_candidate_but_the_largest(how, selected):
     # the median, and a trimmed mean cutting 1 of 3 at each end, are the honest clients' Ĵ: a = 5.
     scores = {1: (HONEST_J, [0.0] * 6), 2: (HONEST_J, [0.0] * 6), 3: ([700.0] * 5 + [0.0], [0.0] * 6)}
     strategy = FedTOPS(trust_budget=math.inf, score_aggregate=how, trim_fraction=0.34, **_common(3))
-    _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
-    assert strategy.records[1]["multiplier"] == selected
+    ran = _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
+    assert ran.records[1]["multiplier"] == selected
 
 
 def test_a_client_that_vetoes_every_candidate_holds_the_round_and_is_named(caplog):
@@ -182,7 +182,7 @@ def test_a_client_that_vetoes_every_candidate_holds_the_round_and_is_named(caplo
     with caplog.at_level(logging.WARNING, logger="flwr"):
         new = _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
     assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["multiplier"] == 0.0 and record["num-feasible"] == 0
     assert record["veto-counts"] == [0, 0, 6] and record["hold-node-ids"] == [3]
     assert "K̂ at a = 1 exceeded δ at node(s) 3" in record["hold-reason"]
@@ -192,8 +192,8 @@ def test_a_client_that_vetoes_every_candidate_holds_the_round_and_is_named(caplo
 def test_one_veto_allowed_lets_the_others_choose():
     scores = {1: (HONEST_J, [0.0] * 6), 2: (HONEST_J, [0.0] * 6), 3: (HONEST_J, [700.0] * 6)}
     strategy = FedTOPS(max_vetoes=1, **_common(3))
-    _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores))
+    record = ran.records[1]
     assert record["multiplier"] == 5.0 and record["num-feasible"] == 6 and record["veto-counts"] == [0, 0, 6]
     assert "hold-reason" not in record
 
@@ -223,7 +223,7 @@ def test_a_robust_aggregator_leaves_the_huge_update_out(name, settings, expected
     new = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL))
     assert np.array_equal(new[0], np.full((2, 3), expected[0], np.float32))
     assert np.array_equal(new[1], np.full((3,), expected[1], np.float32))
-    assert strategy.records[1]["aggregation-error"] is None  # a diagnostic of the weighted mean only
+    assert new.records[1]["aggregation-error"] is None  # a diagnostic of the weighted mean only
 
 
 def test_fixed_under_the_median_moves_a_times_median_minus_theta():
@@ -231,7 +231,7 @@ def test_fixed_under_the_median_moves_a_times_median_minus_theta():
     new = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL))
     assert np.array_equal(new[0], np.full((2, 3), 0.5 + 3 * 1.5, np.float32))  # median 2: Δ 1.5
     assert np.array_equal(new[1], np.full((3,), -1.0 + 3 * 2.0, np.float32))  # median 1: Δ 2
-    assert strategy.records[1]["multiplier"] == 3.0
+    assert new.records[1]["multiplier"] == 3.0
 
 
 def test_fedtops_scores_the_increment_of_the_median():
@@ -278,16 +278,17 @@ def test_each_message_lives_as_long_as_its_phase_waits():
 def _sampled(strategy, grid, rounds):
     out = []
     for server_round in range(1, rounds + 1):
-        _run_round(strategy, grid, server_round)
-        out.append((strategy.records[server_round]["sampled-node-ids"], strategy.records[server_round].get("skipped-node-ids", [])))
+        record = _run_round(strategy, grid, server_round)
+        out.append((record["sampled-node-ids"], record.get("skipped-node-ids", [])))
     return out
 
 
 def _run_round(strategy, grid, server_round):
     from flwr.app import ConfigRecord
 
-    replies = grid.send_and_receive(strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid), timeout=1.0)
-    strategy.aggregate_train(server_round, replies)
+    from fedtops_strategy.round import play_round
+
+    return play_round(strategy, grid, server_round, _record(THETA), ConfigRecord(), train_timeout=1.0, score_timeout=1.0).to_record()
 
 
 def test_a_node_that_never_answers_sits_out_after_k_rounds_and_is_asked_again():
@@ -318,12 +319,12 @@ def test_an_answer_clears_a_nodes_timeouts():
 
 
 def test_a_skipped_node_is_sampled_when_too_few_others_are_connected():
-    strategy = LoRAFedAvg(fraction_evaluate=0.0, min_train_nodes=3, min_available_nodes=3, skip_after=1)
+    strategy = LoRAFedAvg(min_train_nodes=3, min_available_nodes=3, skip_after=1)
     updates = {**HONEST, 3: HONEST[2]}
     _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 1)
     assert strategy.sitting_out(2) == {3}
-    _run_round(strategy, FakeGrid(updates, EQUAL), 2)  # needs 3 nodes: node 3 is asked after all
-    assert strategy.records[2]["sampled-node-ids"] == [1, 2, 3] and "skipped-node-ids" not in strategy.records[2]
+    record = _run_round(strategy, FakeGrid(updates, EQUAL), 2)  # needs 3 nodes: node 3 is asked after all
+    assert record["sampled-node-ids"] == [1, 2, 3] and "skipped-node-ids" not in record
 
 
 def test_waiting_for_nodes_ends_at_the_start_deadline():
@@ -392,7 +393,7 @@ def test_with_two_clients_the_bounds_are_not_applied_and_the_record_says_why():
     # keep half its norm. The round averages them as they are and says so.
     strategy = LoRAFedAvg(clip_norm=2.0, **_common(2))
     new = _run(strategy, FakeGrid({1: HONEST[1], 2: THETA}, {1: 1, 2: 1}))  # node 2 returns θ_t: a zero update
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["bounds-skipped"] == "2 update(s): bounds relative to the round need at least 3"
     assert "bounded" not in record
     np.testing.assert_allclose(new[0], 0.5 + 0.5 / 2, rtol=1e-7)  # node 1's Δ 0.5, halved by the mean, not by a bound
@@ -403,8 +404,8 @@ def test_with_three_clients_a_zero_update_cannot_lower_the_clipping_bar():
     # honest norm, not node 3's 0. With c = 2 the bar is 2 sqrt(4.5): node 2 is scaled by
     # 2 sqrt(4.5) / sqrt(25.5) = 0.840, node 1 (and the zero update) not at all.
     strategy = LoRAFedAvg(clip_norm=2.0, **_common(3))
-    _run(strategy, FakeGrid({**HONEST, 3: THETA}, EQUAL))
-    scales = [b["scale"] for b in strategy.records[1]["bounded"]]
+    ran = _run(strategy, FakeGrid({**HONEST, 3: THETA}, EQUAL))
+    scales = [b["scale"] for b in ran.records[1]["bounded"]]
     assert scales[0] == 1.0 and scales[2] == 1.0
     assert scales[1] == pytest.approx(2 * math.sqrt(4.5) / math.sqrt(25.5), rel=1e-9)
 
@@ -413,8 +414,8 @@ def test_with_four_clients_one_huge_update_cannot_raise_its_own_clipping_bar():
     # Norms sqrt(4.5), sqrt(4.5), sqrt(25.5), 3e6: the lower median is sqrt(4.5) (numpy's median
     # would be (sqrt(4.5) + sqrt(25.5)) / 2); the huge update is scaled to 2 sqrt(4.5).
     strategy = LoRAFedAvg(clip_norm=2.0, **_common(4))
-    _run(strategy, FakeGrid({1: HONEST[1], 2: HONEST[2], 3: HONEST[1], 4: HUGE}, {1: 1, 2: 1, 3: 1, 4: 1}))
-    b4 = strategy.records[1]["bounded"][3]
+    ran = _run(strategy, FakeGrid({1: HONEST[1], 2: HONEST[2], 3: HONEST[1], 4: HUGE}, {1: 1, 2: 1, 3: 1, 4: 1}))
+    b4 = ran.records[1]["bounded"][3]
     assert b4["node-id"] == 4 and b4["scale"] * b4["update-norm"] == pytest.approx(2 * math.sqrt(4.5), rel=1e-9)
 
 

@@ -32,7 +32,7 @@ def _updates(nodes):
 
 def _train_targets(strategy, nodes, server_round=1, weights=None):
     grid = FakeGrid(_updates(nodes), weights or {n: 1 for n in nodes})
-    messages = list(strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid))
+    messages = strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid).messages
     return sorted(m.metadata.dst_node_id for m in messages)
 
 
@@ -68,7 +68,7 @@ def test_the_draw_does_not_depend_on_the_order_in_which_the_grid_lists_nodes():
     forward = _train_targets(strategy, NODES)
     strategy = make_strategy(StrategySettings(name="fedavg", fraction_train=0.25), num_clients=12, seed=0)
     grid = FakeGrid(_updates(NODES), {n: 1 for n in NODES}, connected=lambda: NODES[::-1])
-    backward = sorted(m.metadata.dst_node_id for m in strategy.configure_train(1, _record(THETA), ConfigRecord(), grid))
+    backward = sorted(m.metadata.dst_node_id for m in strategy.configure_train(1, _record(THETA), ConfigRecord(), grid).messages)
     assert backward == forward
 
 
@@ -85,7 +85,7 @@ def test_fedtops_scores_only_the_sampled_clients_and_weighs_delta_and_j_by_their
     strategy = make_strategy(StrategySettings(name="fedtops", fraction_train=0.25, candidates=(1.0, 2.0)), num_clients=12, seed=3)
     grid = FakeGrid(_updates(NODES), WEIGHTS, {n: _scores(n) for n in NODES})
     new = _run(strategy, grid)
-    record = strategy.records[1]
+    record = new.records[1]
     sampled = record["sampled-node-ids"]
     assert len(sampled) == 3 and record["trained-node-ids"] == sampled
     queries = [m for m in grid.sent if m.metadata.message_type == "query.score"]
@@ -119,8 +119,8 @@ def test_unequal_sizes_move_the_average_away_from_the_plain_mean():
 def test_centralized_trains_one_learner_with_the_rollouts_of_the_sampled_clients():
     strategy = make_strategy(StrategySettings(name="centralized", fraction_train=0.25), num_clients=12, seed=0)
     grid = FakeGrid(_updates(NODES), {n: 1 for n in NODES})
-    [message] = strategy.configure_train(1, _record(THETA), ConfigRecord(), grid)
-    sampled = strategy.sampled_node_ids
+    train_round = strategy.configure_train(1, _record(THETA), ConfigRecord(), grid)
+    [message], sampled = train_round.messages, train_round.sampled
     assert len(sampled) == 3
     assert message.metadata.dst_node_id == min(sampled)
     assert int(message.content["config"][POOLED_CLIENTS]) == 3
@@ -196,9 +196,9 @@ def test_local_clients_train_only_when_sampled_and_keep_their_own_adapter_betwee
     grid = FakeGrid(_updates(nodes), {n: 1 for n in nodes})
     rounds = []
     for server_round in (1, 2, 3):
-        messages = list(strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid))
-        sent = {m.metadata.dst_node_id: m.content["arrays"].to_numpy_ndarrays()[0] for m in messages}
-        strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+        train_round = strategy.configure_train(server_round, _record(THETA), ConfigRecord(), grid)
+        sent = {m.metadata.dst_node_id: m.content["arrays"].to_numpy_ndarrays()[0] for m in train_round.messages}
+        strategy.step(strategy.aggregate_train(train_round, grid.send_and_receive(train_round.messages)), None)
         rounds.append(sent)
     trained_before: set[int] = set()
     for sent in rounds:
@@ -227,6 +227,6 @@ def test_unequal_dirichlet_client_sizes_are_the_weights_of_delta_and_j():
     s, x = np.array(sizes, dtype=np.float64), np.array(nodes, dtype=np.float64)
     weighted = float((s * x).sum() / s.sum())
     assert abs(weighted - x.mean()) > 0.1  # the sizes matter: the plain mean would be 2.5
-    assert strategy.records[1]["teacher_scores"] == pytest.approx([weighted, 2 * weighted], rel=1e-12)
+    assert new.records[1]["teacher_scores"] == pytest.approx([weighted, 2 * weighted], rel=1e-12)
     for got in new:
         np.testing.assert_allclose(got, weighted, rtol=0, atol=sum_error(16) * 4)

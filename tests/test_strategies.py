@@ -7,6 +7,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata,
 
 from fedopd.config import StrategySettings
 from fedtops_strategy import FedTOPS, FixedMultiplier, LoRAFedAvg, make_strategy
+from fedtops_strategy.round import play_round
 
 
 def message(content, message_type: str, *, src: int = 0, dst: int = 0, message_id: str = "m", reply_to: str = "") -> Message:
@@ -84,24 +85,29 @@ class FakeGrid:
         return replies[::-1] if self.reverse else replies
 
 
+class Ran(list):
+    """The final global arrays (a list of them, in KEYS' order) and each round's record."""
+
+    records: dict
+
+
 def _run(strategy, grid, rounds=1):
-    """The train and score phases of ``server_app.app``'s round loop; the final global arrays."""
-    arrays = _record(THETA)
+    """The rounds of ``server_app.app``'s loop (:func:`fedtops_strategy.round.play_round`): the
+    final global arrays, with each round's record (:meth:`RoundResult.to_record`) as ``.records``."""
+    arrays, records = _record(THETA), {}
     for server_round in range(1, rounds + 1):
-        replies = grid.send_and_receive(strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=3600.0)
-        new, _ = strategy.aggregate_train(server_round, replies)
-        if new is not None and hasattr(strategy, "configure_score"):
-            replies = grid.send_and_receive(strategy.configure_score(server_round, strategy.increment, grid), timeout=600.0)
-            new, _ = strategy.aggregate_score(server_round, replies)
-        if new is not None:
-            arrays = new
+        result = play_round(strategy, grid, server_round, arrays, ConfigRecord(), train_timeout=3600.0, score_timeout=600.0)
+        records[server_round] = result.to_record()
+        arrays = result.step.arrays()
     assert list(arrays.keys()) == KEYS  # so that comparisons over zip(...) cannot be vacuous
-    return arrays.to_numpy_ndarrays()
+    ran = Ran(arrays.to_numpy_ndarrays())
+    ran.records = records
+    return ran
 
 
 def _common(n):
     # As make_strategy builds them by default: wait for n nodes, then train every connected one.
-    return dict(fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=n)
+    return dict(min_train_nodes=1, min_available_nodes=n)
 
 
 # Updates chosen so that every value is exact in fp32: weights 1 and 3 give the mean 1.75.
@@ -120,7 +126,7 @@ def test_fedtops_applies_theta_plus_selected_multiplier_times_weighted_delta():
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
     for n, t, d in zip(new, THETA, DELTA):
         assert np.array_equal(n, t + np.float32(3.0) * d)
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["multiplier"] == 3.0 and record["fallback"] is False
     assert record["candidates"] == [0.5, 1.0, 2.0, 3.0, 5.0, 10.0]
     assert record["teacher_scores"] == pytest.approx([0.5, 0.4, 0.3, 0.2375, 0.1, 0.0])  # weights 1/4, 3/4
@@ -149,10 +155,13 @@ def test_fedtops_start_and_the_apps_loop_give_the_same_rounds():
     scores = {1: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0] * 6), 2: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0, 0.0, 0.0, 0.0, 0.1, 0.1])}
     by_loop, by_start = FedTOPS(**_common(2)), FedTOPS(**_common(2))
     looped = _run(by_loop, FakeGrid(UPDATES, WEIGHTS, scores), rounds=3)
-    started = by_start.start(FakeGrid(UPDATES, WEIGHTS, scores), _record(THETA), num_rounds=3, timeout=60.0).arrays.to_numpy_ndarrays()
+    seen = []
+    result = by_start.start(FakeGrid(UPDATES, WEIGHTS, scores), _record(THETA), num_rounds=3, timeout=60.0, on_round=seen.append)
+    started = result.arrays.to_numpy_ndarrays()
     assert all(np.array_equal(a, b) for a, b in zip(looped, started))
-    assert [by_start.records[t]["multiplier"] for t in (1, 2, 3)] == [by_loop.records[t]["multiplier"] for t in (1, 2, 3)] == [3.0] * 3
-    assert all(by_start.records[t].keys() == by_loop.records[t].keys() for t in (1, 2, 3))
+    by_start_records = {r.server_round: r.to_record() for r in seen}
+    assert [by_start_records[t]["multiplier"] for t in (1, 2, 3)] == [looped.records[t]["multiplier"] for t in (1, 2, 3)] == [3.0] * 3
+    assert all(by_start_records[t].keys() == looped.records[t].keys() for t in (1, 2, 3))
 
 
 def test_fedtops_step_is_a_value_of_the_score_rows_and_the_settings():
@@ -165,7 +174,7 @@ def test_fedtops_step_is_a_value_of_the_score_rows_and_the_settings():
     selection, fields = strategy.select(rows, {1: 1.0, 2: 3.0}, [], all_scored=True)
     assert selection.multiplier == 3.0 and fields["num-feasible"] == 4 and fields["veto-counts"] == [2, 1]
     assert fields["teacher_scores"] == pytest.approx([0.5, 0.4, 0.3, 0.2375, 0.1, 0.0])  # weights 1/4, 3/4
-    assert "hold-reason" not in fields and strategy.records == {}
+    assert "hold-reason" not in fields and vars(strategy).keys() == vars(FedTOPS(trust_budget=0.05, **_common(2))).keys()
     # δ = 0.005: node 1's K̂ (0.01 at every a) vetoes every candidate, so the round holds naming it
     vetoing = [(1, rows[0][1], [0.01] * 6), (2, rows[1][1], [0.0] * 6)]
     selection, fields = FedTOPS(trust_budget=0.005, **_common(2)).select(vetoing, {1: 1.0, 2: 3.0}, [], all_scored=True)
@@ -189,7 +198,7 @@ def test_fedtops_sends_the_increment_and_candidates_only_to_clients_that_trained
 def test_fedtops_falls_back_to_a_equal_one_when_no_client_scored():
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores={}))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["fallback"] is True and record["multiplier"] == 1.0
     assert record["teacher_scores"] is None
     assert record["unscored-node-ids"] == [1, 2] and record["multiplier-cap"] is None  # a fallback, not a cap
@@ -207,7 +216,7 @@ def test_a_client_that_trained_without_valid_scores_caps_the_multiplier_at_one(h
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost=lost))
     assert all(np.array_equal(n, t + d) for n, t, d in zip(new, THETA, DELTA))  # θ + 1·Δ, both updates in Δ
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["scored-node-ids"] == [1] and record["unscored-node-ids"] == [2]
     assert record["selected-multiplier"] == 10.0 and record["multiplier-cap"] == 1.0 and record["multiplier"] == 1.0
     assert record["fallback"] is False
@@ -218,7 +227,7 @@ def test_when_every_client_that_trained_scored_nothing_is_capped():
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
     assert all(np.array_equal(n, t + np.float32(10.0) * d) for n, t, d in zip(new, THETA, DELTA))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["unscored-node-ids"] == [] and record["multiplier-cap"] is None
     assert record["selected-multiplier"] == record["multiplier"] == 10.0
 
@@ -228,7 +237,7 @@ def test_the_cap_leaves_a_hold_and_a_half_step_as_they_are(change, selected):
     scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], change)}  # node 2 trained but never scores
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    record = strategy.records[1]
+    record = new.records[1]
     assert record["multiplier-cap"] == 1.0 and record["selected-multiplier"] == record["multiplier"] == selected
     assert all(np.array_equal(n, t + np.float32(selected) * d) for n, t, d in zip(new, THETA, DELTA))
 
@@ -237,7 +246,7 @@ def test_fedtops_holds_when_no_candidate_is_feasible():
     scores = {n: ([0.1] * 6, [1.0] * 6) for n in (1, 2)}
     strategy = FedTOPS(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    assert strategy.records[1]["multiplier"] == 0.0
+    assert new.records[1]["multiplier"] == 0.0
     assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
 
 
@@ -250,8 +259,8 @@ def test_teacher_score_is_the_num_examples_weighted_mean_over_clients():
     }
     weights = {1: 1, 2: 3}
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, weights, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, weights, scores))
+    record = ran.records[1]
     assert record["teacher_scores"] == pytest.approx([0.5, 0.5, 0.3, 0.2875, 0.9, 0.9], abs=1e-12)
     assert record["multiplier"] == 3.0
 
@@ -262,8 +271,8 @@ def test_a_score_a_rounding_error_below_zero_is_clamped_and_the_client_kept():
         2: ([0.5, 0.4, 0.3, 0.2, 0.1, -3e-9], [-2e-9, 0.01, 0.02, 0.03, 0.04, 0.3]),
     }
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = ran.records[1]
     assert record["excluded"] == [] and record["scored-node-ids"] == [1, 2]
     assert record["change_scores"][0][0] == 0.0 and record["change_scores"][1][0] == 0.0
     assert record["client_teacher_scores"][1][5] == 0.0
@@ -276,8 +285,8 @@ def test_a_clearly_negative_score_invalidates_that_reply():
         2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, -1e-3, 0.01]),
     }
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = ran.records[1]
     assert record["scored-node-ids"] == [1]
     assert [e["node-id"] for e in record["excluded"]] == [2] and "negative beyond rounding" in record["excluded"][0]["reason"]
     assert record["selected-multiplier"] == 5.0  # selected over client 1 alone
@@ -293,8 +302,8 @@ def test_a_non_finite_score_makes_that_candidate_infeasible_for_that_client_whic
     (j2 if which == 0 else k2)[4] = bad
     scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3]), 2: (j2, k2)}
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = ran.records[1]
     assert record["scored-node-ids"] == [1, 2] and record["unscored-node-ids"] == [] and record["excluded"] == []
     assert record["num-feasible"] == 4 and record["veto-counts"] == [1, 1]
     assert record["selected-multiplier"] == record["multiplier"] == 3.0
@@ -306,14 +315,14 @@ def test_fixed_multiplier_three_applies_exactly_three_delta():
     strategy = FixedMultiplier(3.0, **_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
     assert all(np.array_equal(n, t + np.float32(3.0) * d) for n, t, d in zip(new, THETA, DELTA))
-    assert strategy.records[1]["multiplier"] == 3.0
+    assert new.records[1]["multiplier"] == 3.0
 
 
 def test_fedavg_applies_the_weighted_mean():
     strategy = LoRAFedAvg(**_common(2))
     new = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
     assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))
-    assert strategy.records[1]["multiplier"] == 1.0
+    assert new.records[1]["multiplier"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -330,7 +339,7 @@ def test_a_bad_update_is_left_out_of_the_average_and_recorded(bad, reason):
     strategy = LoRAFedAvg(**_common(3))
     new = _run(strategy, FakeGrid(updates, weights))
     assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))  # node 3 never reaches the adapter
-    excluded = strategy.records[1]["excluded"]
+    excluded = new.records[1]["excluded"]
     assert [e["node-id"] for e in excluded] == [3] and reason in excluded[0]["reason"]
 
 
@@ -341,7 +350,7 @@ def test_clients_lost_in_train_are_recorded_under_their_own_node_and_the_rest_ar
     lost = {3: ("train", "silent"), 4: ("train", "superlink")}
     new = _run(strategy, FakeGrid(updates, weights, lost=lost))
     assert all(np.array_equal(n, m) for n, m in zip(new, MEAN))  # nodes 1 and 2 only
-    assert strategy.records[1]["excluded"] == [
+    assert new.records[1]["excluded"] == [
         {"node-id": 3, "reason": "train: no reply before the timeout"},
         {"node-id": 4, "reason": "error reply: Error: Node Unavailable"},  # the SuperLink's reply, not node 1's
     ]
@@ -357,8 +366,8 @@ def test_a_client_lost_in_the_score_query_is_recorded_and_fedtops_selects_over_t
         2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.9, 0.9, 0.9, 0.9, 0.9]),
     }
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost={2: ("query.score", how)}))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, lost={2: ("query.score", how)}))
+    record = ran.records[1]
     assert record["excluded"] == [{"node-id": 2, "reason": reason}]
     assert record["scored-node-ids"] == [1] and record["selected-multiplier"] == 5.0 and record["multiplier"] == 1.0
 
@@ -370,12 +379,13 @@ def test_after_round_one_a_round_trains_the_clients_still_connected():
         calls["n"] += 1
         if calls["n"] > 10:
             raise RuntimeError("the strategy kept waiting for a lost node")
-        return [1, 2] if not strategy.records else [1]  # node 2 is gone after round 1
+        return [1, 2] if not any(m.metadata.message_type == "train" for m in grid.sent) else [1]  # node 2 is gone after round 1
 
     strategy = LoRAFedAvg(**_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, connected=connected), rounds=2)
-    assert [c["node-id"] for c in strategy.records[1]["clients"]] == [1, 2]
-    assert [c["node-id"] for c in strategy.records[2]["clients"]] == [1]
+    grid = FakeGrid(UPDATES, WEIGHTS, connected=connected)
+    ran = _run(strategy, grid, rounds=2)
+    assert [c["node-id"] for c in ran.records[1]["clients"]] == [1, 2]
+    assert [c["node-id"] for c in ran.records[2]["clients"]] == [1]
 
 
 def test_factory_builds_each_strategy_from_the_config():
@@ -386,14 +396,15 @@ def test_factory_builds_each_strategy_from_the_config():
     assert isinstance(fedtops, FedTOPS) and fedtops.trust_budget == 0.02 and fedtops.candidates == (1.0, 2.0)
 
 
-def test_fedtops_aggregate_train_sends_nothing_and_keeps_the_weighted_increment():
+def test_fedtops_aggregate_train_sends_nothing_and_returns_the_weighted_increment():
     grid = FakeGrid(UPDATES, WEIGHTS, {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)})
     strategy = FedTOPS(**_common(2))
-    replies = grid.send_and_receive(strategy.configure_train(1, _record(THETA), ConfigRecord(), grid))
-    mean, _ = strategy.aggregate_train(1, replies)
+    sent = strategy.configure_train(1, _record(THETA), ConfigRecord(), grid)
+    train = strategy.aggregate_train(sent, grid.send_and_receive(sent.messages))
     assert [m.metadata.message_type for m in grid.sent] == ["train", "train"]  # no score query from in there
-    assert all(np.array_equal(m, e) for m, e in zip(mean.to_numpy_ndarrays(), MEAN))  # FedAvg's θ_t + Δ_t
-    assert all(np.array_equal(d, e) for d, e in zip(strategy.increment.to_numpy_ndarrays(), DELTA))
+    assert all(np.array_equal(m, e) for m, e in zip(train.mean.values(), MEAN))  # FedAvg's θ_t + Δ_t
+    assert all(np.array_equal(d, e) for d, e in zip(train.delta.values(), DELTA))
+    assert train.weights == {1: 1.0, 2: 3.0} and [r.node_id for r in train.kept] == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -409,7 +420,7 @@ def test_fedtops_aggregate_train_sends_nothing_and_keeps_the_weighted_increment(
 def test_the_train_message_says_what_the_client_learns_from_and_whether_it_builds_a_scoring_cache(strategy, learner, cache):
     settings = StrategySettings(name=strategy, multiplier=3.0)
     grid = FakeGrid(UPDATES, WEIGHTS)
-    [first, *_] = make_strategy(settings, num_clients=2).configure_train(1, _record(THETA), ConfigRecord(), grid)
+    [first, *_] = make_strategy(settings, num_clients=2).configure_train(1, _record(THETA), ConfigRecord(), grid).messages
     config = first.content["config"]
     assert (config["learner"], config["build-scoring-cache"]) == (learner, cache)
 
@@ -417,8 +428,8 @@ def test_the_train_message_says_what_the_client_learns_from_and_whether_it_build
 def test_score_replies_are_recorded_in_node_order_whatever_order_they_arrive_in():
     scores = {1: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0] * 6), 2: ([0.6, 0.4, 0.3, 0.2, 0.1, 0.0], [0.01] * 6)}
     strategy = FedTOPS(**_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, reverse=True))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores, reverse=True))
+    record = ran.records[1]
     assert record["scored-node-ids"] == [1, 2]
     assert record["client_teacher_scores"] == [scores[1][0], scores[2][0]]
     assert record["change_scores"] == [scores[1][1], scores[2][1]]
@@ -435,8 +446,8 @@ def test_score_replies_are_recorded_in_node_order_whatever_order_they_arrive_in(
 def test_a_malformed_score_reply_is_left_out_even_when_it_arrives_first(reply, reason):
     scores = {1: reply, 2: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.05], [0.0, 0.01, 0.02, 0.03, 0.04, 0.3])}
     strategy = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
-    record = strategy.records[1]
+    ran = _run(strategy, FakeGrid(UPDATES, WEIGHTS, scores))
+    record = ran.records[1]
     assert record["scored-node-ids"] == [2]
     assert [e["node-id"] for e in record["excluded"]] == [1] and reason in record["excluded"][0]["reason"]
     assert record["selected-multiplier"] == 5.0 and record["multiplier"] == 1.0
@@ -464,12 +475,12 @@ def test_fedtops_refuses_a_negative_or_nan_trust_budget_and_accepts_zero_and_inf
 def test_fedtops_passes_its_tolerances_to_the_selection_rule():
     scores = {n: ([0.5, 0.4, 0.3, 0.2, 0.1, 0.0], [0.0, 0.0, 0.05 + 5e-9, 0.06, 0.06, 0.06]) for n in (1, 2)}
     strict = FedTOPS(trust_budget=0.05, feasibility_tol=0.0, **_common(2))
-    _run(strict, FakeGrid(UPDATES, WEIGHTS, scores))
+    strict = _run(strict, FakeGrid(UPDATES, WEIGHTS, scores))
     assert strict.records[1]["multiplier"] == 1.0 and strict.records[1]["num-feasible"] == 2
     default = FedTOPS(trust_budget=0.05, **_common(2))
-    _run(default, FakeGrid(UPDATES, WEIGHTS, scores))
+    default = _run(default, FakeGrid(UPDATES, WEIGHTS, scores))
     assert default.records[1]["multiplier"] == 2.0 and default.records[1]["num-feasible"] == 3
     ties = {n: ([0.5, 0.4, 0.4 - 1e-10, 0.9, 0.9, 0.9], [0.0] * 6) for n in (1, 2)}
     loose = FedTOPS(trust_budget=0.05, score_tol=0.0, **_common(2))
-    _run(loose, FakeGrid(UPDATES, WEIGHTS, ties))
+    loose = _run(loose, FakeGrid(UPDATES, WEIGHTS, ties))
     assert loose.records[1]["multiplier"] == 2.0

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import TINY
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-from flwr.serverapp.strategy import FedAvg
 
 from fedopd.config import parse_run_config
-from fedopd.models.lora import apply_increment, from_record, increment
-from fedtops_strategy.screening import ReplyScreening
+from fedopd.models.lora import from_record
+from fedtops_strategy.base import ServerStrategy
+from fedtops_strategy.round import apply_step
 
 SMALL = {
     **TINY,
@@ -24,19 +24,13 @@ SMALL = {
 }
 
 
-class HalfStep(ReplyScreening, FedAvg):
+class HalfStep(ServerStrategy):
     """FedAvg with a server step of half the averaged increment: θ_{t+1} = θ_t + 0.5·Δ_t."""
 
     strategy_name = "half-step"
 
-    def aggregate_train(self, server_round, replies):
-        mean, metrics = super().aggregate_train(server_round, replies)  # screened FedAvg
-        if mean is None:
-            return None, metrics
-        theta = self.theta_arrays()
-        new = apply_increment(theta, increment(from_record(mean), theta), 0.5)
-        self.records[server_round]["multiplier"] = 0.5
-        return ArrayRecord({k: Array(a) for k, a in new.items()}), metrics
+    def step(self, train, scores):
+        return apply_step(train, 0.5)
 
 
 @pytest.fixture()
