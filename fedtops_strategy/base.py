@@ -335,4 +335,3 @@ class ServerStrategy:
             if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result
-

@@ -185,20 +185,21 @@ class _Refused(Exception):
     """Raised inside a parser only, caught at its top: the reason a reply is refused."""
 
 
-def _guarded(parse: Callable[..., Any]) -> Callable[..., Any]:
+class _guarded:  # noqa: N801 - used as a decorator
     """A parser that returns a :class:`Rejection` for whatever goes wrong, never raises."""
 
-    def run(message, node_id: int, expected: Expected):
+    def __init__(self, parse: Callable[..., Any]) -> None:
+        self.parse = parse
+        self.__doc__, self.__name__ = parse.__doc__, parse.__name__
+
+    def __call__(self, message, node_id: int, expected: Expected):
         try:
-            return parse(message, int(node_id), expected)
+            return self.parse(message, int(node_id), expected)
         except _Refused as why:  # its client-made parts were escaped where it was written
             reason = str(why)
             return Rejection(int(node_id), reason if is_safe(reason) and len(reason) <= MAX_REASON_CHARS else escape(reason, MAX_REASON_CHARS))
         except Exception as err:  # noqa: BLE001 - a reply no check foresaw is still only a bad reply
             return Rejection(int(node_id), escape(f"the reply cannot be read ({type(err).__name__}: {err})", MAX_REASON_CHARS))
-
-    run.__doc__, run.__name__ = parse.__doc__, parse.__name__
-    return run
 
 
 @_guarded

@@ -16,8 +16,8 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 
-from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, settle_partition_claims
 from fedtops_strategy.base import parse_replies
+from fedtops_strategy.replies import WEIGHT_KEY, Expected, parse_evaluate, settle_partition_claims
 
 EVALUATE = "evaluate"
 

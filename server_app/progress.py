@@ -101,10 +101,6 @@ def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path
     from matplotlib.ticker import MaxNLocator
 
     rows = [(int(r["round"]), round_scalars(r)) for r in records]
-
-    def series(key: str) -> tuple[list[int], list[float]]:
-        return figure_series(rows, key)
-
     fig = Figure(figsize=(20, 7), layout="constrained")
     axes = fig.subplots(2, 4, sharex=True)
     panels = [
@@ -126,7 +122,7 @@ def draw(records: list[Mapping[str, Any]], path: str | Path, title: str) -> Path
         drawn = False
         bottom: dict[int, float] = {}
         for key in dict.fromkeys(keys):
-            x, y = series(key)
+            x, y = figure_series(rows, key)
             if x and ax is stacked:
                 ax.bar(x, y, bottom=[bottom.get(n, 0.0) for n in x], width=0.6, label=LABELS.get(key, key.split("/", 1)[1]))
                 for n, v in zip(x, y):
