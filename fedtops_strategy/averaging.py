@@ -80,6 +80,10 @@ class Averager(ABC):
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         """The average of ``updates`` (θ_{t,i}^+, not increments) around ``theta`` (θ_t)."""
 
+    def budget_stop(self, server_round: int, scores: bool) -> str | None:
+        """Why ``server_round``'s releases would exceed a privacy budget (the private mean), or None."""
+        return None
+
     def release_scores(self, rows: list, weights: dict[int, float], unscored: list[int], asked: list[int], candidates, server_round: int):
         """The score rows (node, Ĵ_i, K̂_i) as the selection may read them: (rows, weights, the
         round record's fields of the release, whether every trust constraint counts as known).
@@ -151,6 +155,9 @@ class PrivateMean(Averager):
 
     def configure_train(self, config) -> None:
         self.privacy.train_config(config)
+
+    def budget_stop(self, server_round: int, scores: bool) -> str | None:
+        return self.privacy.budget_stop(server_round, scores)
 
     def refuse(self, reply, theta: Named) -> str | None:
         return self.privacy.reply_problem(reply.metrics, theta, reply.arrays)

@@ -291,8 +291,10 @@ class ServerStrategy:
         return global_arrays
 
     def round_metrics(self, result: RoundResult) -> MetricRecord:
-        """What Flower's ``Result`` keeps of a round (:meth:`start`): the applied a."""
-        return MetricRecord({"multiplier": result.step.multiplier})
+        """What Flower's ``Result`` keeps of a round (:meth:`start`): how many updates were kept,
+        and the applied a (none for Local, which applies none)."""
+        multiplier = result.step.multiplier
+        return MetricRecord({"num-trained": len(result.train.kept), **({} if multiplier is None else {"multiplier": multiplier})})
 
     # -- Flower's contract -------------------------------------------------------------------------
     def start(
@@ -319,7 +321,7 @@ class ServerStrategy:
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for server_round in range(1, num_rounds + 1):
-            if self.privacy is not None and (stop := self.privacy.budget_stop(server_round, self.score_phase)):
+            if (stop := self.averager.budget_stop(server_round, self.score_phase)) is not None:
                 log(WARNING, "%s stopped on its privacy budget: %s", type(self).__name__, stop)
                 break
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)

@@ -171,7 +171,7 @@ class FedTOPS(ServerStrategy):
 
     def round_metrics(self, result: RoundResult) -> MetricRecord:
         """a_t and the number of feasible candidates (0 where the round averaged nothing)."""
-        return MetricRecord({"multiplier": result.step.multiplier, "num-feasible": int(result.step.details.get("num-feasible", 0))})
+        return MetricRecord({**super().round_metrics(result), "num-feasible": int(result.step.details.get("num-feasible", 0))})
 
     def select(
         self, rows: list[tuple[int, list[float], list[float]]], weights: dict[int, float], unscored: list[int], *, all_scored: bool

@@ -154,6 +154,17 @@ class EvaluateReply:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A reply as it arrives, checked for its progress line only: its node (metadata), the
+    partition it claims (an int in [0, ``MAX_PARTITION_ID``)) and its metrics (names, numbers and
+    magnitudes checked, :func:`_metrics`). The phase's own parser still decides whether it counts."""
+
+    node_id: int
+    partition_id: int
+    metrics: dict[str, Metric]
+
+
+@dataclass(frozen=True)
 class Expected:
     """What a phase's replies may hold, from what the server knows: θ_t's shapes (train), the
     candidates (score), the federation's size and what a client can hold."""
@@ -303,6 +314,25 @@ def _only_metrics(message, expected: Expected, vectors: Sequence[str]) -> dict[s
     if len(records) != 1 or len(content.array_records) or len(content.config_records):
         raise _Refused("expected one MetricRecord" + _others(content))
     return _metrics(records[0], expected, vectors=vectors)
+
+
+MAX_PARTITION_ID = 1 << 20  # a progress line's partition-id is below it
+
+
+@_guarded
+def parse_progress(message, node_id: int, expected: Expected) -> Progress | Rejection:
+    """A reply that is not an error, with one MetricRecord of checked metrics (score vectors of at
+    most ``expected.num_candidates``, non-finite allowed) and a partition id in [0, MAX_PARTITION_ID).
+    Its arrays are not read here: the phase's parser checks them."""
+    _check_error(message)
+    records = list(message.content.metric_records.values())
+    if len(records) != 1:
+        raise _Refused(f"expected one MetricRecord, got {len(records)}")
+    metrics = _metrics(records[0], expected, vectors=(TEACHER_SCORES, CHANGE_SCORES, SCORE_SE))
+    partition = metrics.get(PARTITION_KEY)
+    if not (_integer(partition) and 0 <= partition < MAX_PARTITION_ID):
+        raise _Refused(f"'{PARTITION_KEY}' is {_show(partition)}: expected an integer in [0, {MAX_PARTITION_ID})")
+    return Progress(node_id, int(partition), metrics)
 
 
 def content_bytes(content) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
@@ -29,17 +28,16 @@ from fedopd.models import ModelLoadError, attach_lora, load_adapter, load_causal
 from fedopd.models.vocab import run_stop_tokens
 from fedtops_strategy import make_strategy
 from fedtops_strategy.factory import capabilities
-from fedtops_strategy.privacy import JOURNAL as PRIVACY_JOURNAL
-from fedtops_strategy.privacy import PrivacyBudgetSpent, read_journal
+from fedtops_strategy.privacy import PrivacyBudgetSpent
 from fedtops_strategy.round import play_round
 from fedtops_strategy.sampling import NodesNotConnected
-from server_app.error_lines import reason_line
 from server_app.grid import PromptGrid
 from server_app.log_lines import evaluation_summary, log_reply, reply_summary, round_summary  # noqa: F401 - re-exported
 from server_app.progress import run_summary
 from server_app.recorder import RoundRecorder
 from server_app.run_folder import RunFolder, complete_rounds, config_mismatch, new_run_dir, read_rounds, read_run_config, read_status
 from server_app.run_privacy import NoPrivacy, run_privacy
+from server_app.stop_rules import RunFailed
 from server_app.tracking import Trackers, run_trackers
 
 app = ServerApp()
@@ -70,92 +68,6 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, cfg)
 
 
-class RunFailed(RuntimeError):
-    """The run cannot go on (no client can work); the message says why, in the clients' words."""
-
-
-ERROR_REPLY = "error reply: "
-
-
-def failure_reasons(excluded: list[dict]) -> str:
-    """The round's ``excluded`` entries, one per distinct reason with its node ids:
-    ``node 1, 2: ModelLoadError: ...; node 3: train: no reply before the timeout``; an error
-    reply's reason is its root cause's line (the full text is in ``client-errors.log``)."""
-    nodes: dict[str, list[int]] = {}
-    for entry in excluded:
-        reason = reason_line(entry.get("reason", "?"))
-        reason = reason[len(ERROR_REPLY) :] if reason.startswith(ERROR_REPLY) else reason
-        nodes.setdefault(reason, []).append(int(entry["node-id"]))
-    if not nodes:
-        return "no client was sent a train message"
-    return "; ".join(f"node {', '.join(map(str, sorted(set(ids))))}: {reason}" for reason, ids in nodes.items())
-
-
-def no_update_failure(server_round: int, failed_rounds: int, max_failed_rounds: int, record: dict) -> RunFailed | None:
-    """The error that stops the run after ``server_round``, or None: no client returned a valid
-    update in round 1 (nothing can work), or in ``max_failed_rounds`` consecutive rounds
-    (0: never, round 1 included; always 0 under privacy, :func:`max_failed_rounds`)."""
-    if failed_rounds == 0 or max_failed_rounds == 0 or (server_round > 1 and failed_rounds < max_failed_rounds):
-        return None
-    when = (
-        f"round {server_round}"
-        if failed_rounds == 1
-        else f"{failed_rounds} consecutive rounds ({server_round - failed_rounds + 1}-{server_round}); in round {server_round}"
-    )
-    return RunFailed(f"no client returned a valid update in {when}: {failure_reasons(record.get('excluded', []))}")
-
-
-def max_failed_rounds(cfg: RunConfig, private: bool) -> int:
-    """``max-failed-rounds`` as it applies: 0 (never stop on missing updates) under privacy, where
-    the run's length must not depend on who answered."""
-    return 0 if private else cfg.max_failed_rounds
-
-
-def held_round(record: dict, private: bool) -> bool:
-    """Whether a round held, for ``max-held-rounds``: a = 0 with valid updates; under privacy
-    a = 0 alone (released), since who answered is not, and the run's length must not depend on it."""
-    if private:
-        return record.get("multiplier") == 0.0
-    return bool(record.get("clients") and record.get("hold-reason"))
-
-
-def held_failure(server_round: int, held_rounds: int, max_held_rounds: int, record: dict) -> RunFailed | None:
-    """The error that stops the run after ``server_round`` when it held (:func:`held_round`)
-    in ``max_held_rounds`` consecutive rounds (0: never), naming why and the nodes."""
-    if not max_held_rounds or held_rounds < max_held_rounds:
-        return None
-    return RunFailed(
-        f"the federation held (a = 0, θ unchanged) in {held_rounds} consecutive rounds "
-        f"({server_round - held_rounds + 1}-{server_round}, max-held-rounds = {max_held_rounds}); "
-        f"in round {server_round}: {record.get('hold-reason', '?')}"
-    )
-
-
-@dataclass
-class StopRules:
-    """The rules that end a run early, after each round's record: no valid update (in round 1, or
-    in ``max-failed-rounds`` consecutive rounds; never under privacy, :func:`max_failed_rounds`)
-    and ``max-held-rounds`` consecutive holds (:func:`held_round`)."""
-
-    max_failed_rounds: int
-    max_held_rounds: int
-    private: bool
-    failed_rounds: int = 0  # consecutive rounds without a valid client update
-    held_rounds: int = 0  # consecutive rounds that held
-
-    @classmethod
-    def for_run(cls, cfg: RunConfig, private: bool) -> StopRules:
-        return cls(max_failed_rounds(cfg, private), cfg.max_held_rounds, private)
-
-    def after(self, server_round: int, record: dict) -> RunFailed | None:
-        """Count ``server_round`` (its record); the error that ends the run after it, or None."""
-        self.failed_rounds = 0 if record.get("clients") else self.failed_rounds + 1
-        self.held_rounds = self.held_rounds + 1 if held_round(record, self.private) else 0
-        return no_update_failure(server_round, self.failed_rounds, self.max_failed_rounds, record) or held_failure(
-            server_round, self.held_rounds, self.max_held_rounds, record
-        )
-
-
 def check_connected(cfg: RunConfig, connected: int) -> None:
     """With ``num-clients = 0`` the run trains the nodes connected when it starts: the settings
     that depend on how many a round averages (:func:`fedopd.config.check_per_round`) are checked
@@ -169,13 +81,13 @@ def check_connected(cfg: RunConfig, connected: int) -> None:
         ) from None
 
 
-def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) -> tuple[RunFolder, int]:
+def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None, privacy: NoPrivacy | None = None) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
     The folder must hold a run whose resolved config equals this one except for
     :data:`fedopd.config.RESUME_FREE_KEYS`; a half-written last round is removed.
     """
-    path = Path(cfg.resume_from).expanduser()
+    path, privacy = Path(cfg.resume_from).expanduser(), privacy or NoPrivacy()
     if not (path / "config.json").is_file():
         raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: no run folder there (no config.json)")
     original = read_run_config(path)
@@ -190,13 +102,7 @@ def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None) 
         raise ConfigError(
             f"run config 'num-server-rounds' = {cfg.num_server_rounds} is below the resumed run's {original['num-server-rounds']}; it may only grow"
         )
-    if cfg.privacy.clipping != "off":  # no journal, no account: never a silent fallback
-        try:
-            if not (path / PRIVACY_JOURNAL).is_file():
-                raise ValueError(f"{path / PRIVACY_JOURNAL} is missing")
-            read_journal(path / PRIVACY_JOURNAL)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
+    privacy.check_resume(path)  # a private run's journal: no journal, no account
     done = max((r["round"] for r in complete_rounds(path)), default=0)
     if done >= cfg.num_server_rounds:
         raise ConfigError(
@@ -252,7 +158,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
     if cfg.resume_from:
-        run, done = open_resumed_run(cfg, lora_config, resolved)
+        run, done = open_resumed_run(cfg, lora_config, resolved, privacy)
         if done > 0 and not supports.per_client_adapters:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         privacy.resume(run.path, done)  # the privacy spent so far, and adaptive clipping's C
@@ -350,10 +256,10 @@ def check_positions(cfg: RunConfig) -> None:
 def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, privacy: NoPrivacy, run: RunFolder, done: int, arrays, trackers: Trackers) -> Path:
     """Algorithm 1 from the round after ``done``: each round trains, scores (FedTOPS) and steps
     (:func:`fedtops_strategy.round.play_round`), is recorded with its evaluation when due, and may
-    end the run (:class:`StopRules`, the privacy budget)."""
+    end the run (:mod:`server_app.stop_rules`, the privacy budget)."""
     started_run = time.perf_counter()
     recorder = RoundRecorder(grid, cfg, strategy, run, trackers, capabilities(cfg.strategy.name).per_client_adapters)
-    stop_rules = StopRules.for_run(cfg, private=privacy.private)
+    stop_rules = privacy.stop_rules(cfg)
     log(INFO, "Starting %s strategy:", type(strategy).__name__)
     strategy.summary()
     privacy.announce(cfg.num_server_rounds - done)

@@ -4,10 +4,11 @@ round's bytes sent to and received from its clients).
 Each is a pure function of a reply message or a round record (``rounds.jsonl``), so what a run
 shows with ``flwr run --stream`` can be tested on hand-made inputs.
 
-A reply is untrusted: its text (an error's reason, metric keys) is shown escaped
-(:func:`fedtops_strategy.text.escape`, :func:`server_app.error_lines.root_cause`), so it cannot
-break the line or paint it; the node id is the message metadata's (the SuperLink's), the
-``client`` number the reply's ``partition-id`` only when it is an int in ``[0, MAX_PARTITION_ID)``.
+A reply is untrusted: a progress line is written from the reply as the boundary checks it
+(:func:`fedtops_strategy.replies.parse_progress`: metric names of a fixed alphabet, finite numbers,
+a ``partition-id`` that is an int in ``[0, MAX_PARTITION_ID)``), and an error's reason is one
+escaped line (:func:`server_app.error_lines.root_cause`), so neither can break the line or paint
+it; the node id is the message metadata's (the SuperLink's).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from logging import INFO
 
 from flwr.common.logger import log
 
+from fedtops_strategy.replies import MAX_LIST, Expected, Rejection, parse_progress
 from fedtops_strategy.text import escape
 from server_app.error_lines import root_cause
 from server_app.traffic import human_bytes
 
-MAX_PARTITION_ID = 1 << 20  # a reply's partition-id at or above it (or below 0, or no int): no progress line
 MAX_SAMPLED = 8  # sampled metrics (avg@k, pass@k) shown per line; more: "…"
 KEY_CHARS = 40  # a metric key shown escaped, at most this long
 
@@ -42,27 +43,24 @@ def evaluation_summary(evaluation: dict | None) -> str:
 
 
 def reply_summary(msg) -> str | None:
-    """One progress line for a client's reply, as it arrives: what it did, with counts and times;
+    """One progress line for a client's reply, as it arrives: what it did, with counts and times,
+    from the reply as the boundary checks it (:func:`fedtops_strategy.replies.parse_progress`);
     for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`).
-    None for a reply it cannot tell (the phase's screening says why it is left out)."""
-    if msg.has_error():
-        try:
-            node = int(msg.metadata.src_node_id)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        return f"  node {node}: {escape(msg.metadata.message_type, KEY_CHARS)} failed: {root_cause(msg.error.reason)}"
-    records = list(msg.content.metric_records.values())
-    if len(records) != 1:
-        return None
-    m = records[0]
-    kind = msg.metadata.message_type
+    None for a reply the boundary refuses (the phase's screening says why it is left out)."""
     try:
-        pid = m.get("partition-id")
-        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < MAX_PARTITION_ID:
-            return None
-        # the node from the metadata (the sender), the partition as the client claims it: a line
-        # cannot pass for another node's, whatever the reply holds (the boundary checks the claim)
-        who = f"  node {int(msg.metadata.src_node_id)} client {pid}"
+        node = int(msg.metadata.src_node_id)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    kind = msg.metadata.message_type
+    if msg.has_error():
+        return f"  node {node}: {escape(kind, KEY_CHARS)} failed: {root_cause(msg.error.reason)}"
+    reply = parse_progress(msg, node, Expected(num_candidates=MAX_LIST))
+    if isinstance(reply, Rejection):
+        return None
+    # the node from the metadata (the sender), the partition as the client claims it: a line
+    # cannot pass for another node's, whatever the reply holds (the boundary checks the claim)
+    who, m = f"  node {node} client {reply.partition_id}", reply.metrics
+    try:
         if kind == "train":
             line = (
                 f"{who} trained: {m['rollout_s']:.1f} s rollouts (mean {m['response_length']:.0f} tokens, "
@@ -77,9 +75,8 @@ def reply_summary(msg) -> str | None:
             j, k = m["teacher-scores"], m["change-scores"]
             return f"{who} scored {len(j)} candidates in {m.get('score_s', 0.0):.2f} s (max K {max(k):.4f})"
         if kind == "evaluate":
-            sampled = sampled_summary(m)
-            return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled} in {m['eval_s']:.1f} s"
-    except (KeyError, TypeError, ValueError, OverflowError):  # a reply the boundary will leave out
+            return f"{who} evaluated: greedy {m['accuracy']:.1f}% {sampled_summary(m)} in {m['eval_s']:.1f} s"
+    except (KeyError, TypeError, ValueError):  # a metric missing, or a list where a number belongs
         return None
     return None
 

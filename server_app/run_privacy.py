@@ -14,8 +14,9 @@ from pathlib import Path
 from flwr.common.logger import log
 
 from fedopd.config import ConfigError, RunConfig
-from fedtops_strategy.privacy import JOURNAL, UpdatePrivacy
+from fedtops_strategy.privacy import JOURNAL, UpdatePrivacy, read_journal
 from server_app.run_folder import complete_rounds
+from server_app.stop_rules import PrivateStopRules, StopRules
 
 
 class NoPrivacy:
@@ -25,6 +26,9 @@ class NoPrivacy:
 
     def check_first_round(self) -> None:
         """Nothing: no budget."""
+
+    def check_resume(self, run_path: Path) -> None:
+        """Nothing: no account to read."""
 
     def resume(self, run_path: Path, done: int) -> None:
         """Nothing: no account to replay."""
@@ -37,6 +41,10 @@ class NoPrivacy:
 
     def budget_stop(self, server_round: int) -> str | None:
         return None
+
+    def stop_rules(self, cfg: RunConfig) -> StopRules:
+        """``max-failed-rounds`` and ``max-held-rounds`` as configured."""
+        return StopRules(cfg.max_failed_rounds, cfg.max_held_rounds)
 
 
 class PrivateRun(NoPrivacy):
@@ -60,6 +68,16 @@ class PrivateRun(NoPrivacy):
                 f"run config 'privacy.max-epsilon' = {settings.max_epsilon!r} is below the ε of one round ({one_round:.4g} at "
                 f"δ = {settings.delta:g}): no round could run; allowed: a larger budget, or more noise"
             )
+
+    def check_resume(self, run_path: Path) -> None:
+        """The run folder to resume holds a readable journal (no journal, no account: never a
+        silent fallback), checked before anything changes."""
+        try:
+            if not (run_path / JOURNAL).is_file():
+                raise ValueError(f"{run_path / JOURNAL} is missing")
+            read_journal(run_path / JOURNAL)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"run config 'resume-from' = {self.cfg.resume_from!r}: its privacy account cannot be read: {err}") from None
 
     def resume(self, run_path: Path, done: int) -> None:
         """The privacy spent in the first ``done`` rounds, and adaptive clipping's C, from the run
@@ -99,6 +117,10 @@ class PrivateRun(NoPrivacy):
         if cfg.privacy.max_epsilon:
             fit = self.privacy.rounds_within_budget(self.scores, rounds_left)
             log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, rounds_left)
+
+    def stop_rules(self, cfg: RunConfig) -> StopRules:
+        """The stop rules that do not read who answered (:class:`PrivateStopRules`)."""
+        return PrivateStopRules(cfg.max_failed_rounds, cfg.max_held_rounds)
 
     def budget_stop(self, server_round: int) -> str | None:
         """Why ``server_round``'s releases would exceed ``privacy.max-epsilon`` (they are known in advance), or None."""

@@ -189,9 +189,13 @@ def _evaluate_reply(metrics):
     return message(RecordDict({"metrics": MetricRecord(metrics)}), "evaluate", src=5, reply_to="m")
 
 
-def test_metric_keys_are_escaped_in_the_reply_line():
+def test_a_reply_whose_metric_keys_the_boundary_refuses_gives_no_line():
+    """A progress line is written from the reply as the boundary checks it: a key outside the
+    metric alphabet (a newline, an escape sequence) refuses the reply, so nothing of it is shown."""
     reply = _evaluate_reply({"partition-id": 1, "accuracy": 40.0, "eval_s": 2.0, "pass@8\n\x1b[31mINFO": 50.0})
-    assert reply_summary(reply) == "  node 5 client 1 evaluated: greedy 40.0% pass@8\\n\\x1b[31mINFO 50.0% in 2.0 s"
+    assert reply_summary(reply) is None
+    reply = _evaluate_reply({"partition-id": 1, "accuracy": 40.0, "eval_s": 2.0, "pass@8": 50.0})
+    assert reply_summary(reply) == "  node 5 client 1 evaluated: greedy 40.0% pass@8 50.0% in 2.0 s"
 
 
 def test_at_most_max_sampled_metrics_are_shown():
@@ -203,8 +207,10 @@ def test_at_most_max_sampled_metrics_are_shown():
 def test_a_partition_id_that_is_no_int_in_range_gives_no_line():
     base = {"accuracy": 40.0, "eval_s": 2.0}
     assert reply_summary(_evaluate_reply({"partition-id": 3, **base})) == "  node 5 client 3 evaluated: greedy 40.0%  in 2.0 s"
-    for pid in (-1, 1 << 20, 2.0, 2.5):
+    for pid in (-1, 1 << 20, 2.5, float("nan")):
         assert reply_summary(_evaluate_reply({"partition-id": pid, **base})) is None, pid
+    # an integral float is the partition the boundary reads (replies.parse_train takes 2.0 as 2)
+    assert reply_summary(_evaluate_reply({"partition-id": 2.0, **base})) == "  node 5 client 2 evaluated: greedy 40.0%  in 2.0 s"
     assert reply_summary(_evaluate_reply(base)) is None
 
 

@@ -319,7 +319,7 @@ def test_the_reply_line_shows_the_root_causes_line():
 
 
 def test_the_run_failure_names_each_distinct_root_cause_once_with_its_nodes():
-    from server_app.app import failure_reasons
+    from server_app.stop_rules import failure_reasons
 
     text = simulation_reason(raising(lambda: _model_config(2176)))
     other = text.replace("pid=4242", "pid=4243")  # another worker: another traceback, the same cause

@@ -287,13 +287,13 @@ def test_a_run_that_cannot_see_its_nodes_fails_at_the_start_deadline(tmp_path):
 def test_the_stop_rules_count_consecutive_rounds_only():
     """max-held-rounds = 2 and max-failed-rounds = 2: held, not held, held never stops the run;
     two held rounds in a row do; a round with updates resets the failed count."""
-    from server_app.app import StopRules
+    from server_app.stop_rules import StopRules
 
     held = {"clients": [{"node-id": 1}], "hold-reason": "no feasible candidate"}
     moved = {"clients": [{"node-id": 1}]}
-    rules = StopRules(max_failed_rounds=2, max_held_rounds=2, private=False)
+    rules = StopRules(max_failed_rounds=2, max_held_rounds=2)
     assert [rules.after(t, r) for t, r in ((1, held), (2, moved), (3, held))] == [None, None, None]
     assert "held (a = 0, θ unchanged) in 2 consecutive rounds (3-4" in str(rules.after(4, held))
-    rules = StopRules(max_failed_rounds=2, max_held_rounds=0, private=False)
+    rules = StopRules(max_failed_rounds=2, max_held_rounds=0)
     assert [rules.after(t, r) for t, r in ((1, moved), (2, {}), (3, moved), (4, {}))] == [None, None, None, None]
     assert "no client returned a valid update in 2 consecutive rounds (4-5)" in str(rules.after(5, {}))

@@ -856,15 +856,17 @@ def test_each_averaging_strategy_accepts_privacy(name):
 def test_under_privacy_no_stop_depends_on_who_answered():
     # max-failed-rounds has no effect (a round without updates releases θ_t plus noise), and
     # max-held-rounds counts a released a = 0, not "a = 0 with valid updates" (who answered is not released).
-    from server_app.app import held_round, max_failed_rounds, no_update_failure
+    from server_app.run_privacy import NoPrivacy, PrivateRun
+    from server_app.stop_rules import no_update_failure
 
     cfg = parse_run_config({**ON, "max-failed-rounds": 3})
-    assert max_failed_rounds(cfg, private=True) == 0 and max_failed_rounds(cfg, private=False) == 3
+    private, plain = PrivateRun(cfg, _strategy().privacy, True).stop_rules(cfg), NoPrivacy().stop_rules(cfg)
+    assert private.max_failed_rounds == 0 and plain.max_failed_rounds == 3
     assert no_update_failure(1, 1, 0, {}) is None and no_update_failure(5, 5, 0, {}) is None
     assert no_update_failure(1, 1, 3, {}) is not None  # without privacy a federation where nothing works stops
     no_update = {"multiplier": 0.0, "clients": [], "hold-reason": "no feasible candidate"}
-    assert held_round(no_update, private=True) and not held_round(no_update, private=False)
-    assert not held_round({"multiplier": 1.0, "clients": [{}]}, private=True)
+    assert private.held(no_update) and not plain.held(no_update)
+    assert not private.held({"multiplier": 1.0, "clients": [{}]})
 
 
 def test_under_privacy_a_silent_node_never_sits_out():

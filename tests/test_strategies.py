@@ -484,3 +484,31 @@ def test_fedtops_passes_its_tolerances_to_the_selection_rule():
     loose = FedTOPS(trust_budget=0.05, score_tol=0.0, **_common(2))
     loose = _run(loose, FakeGrid(UPDATES, WEIGHTS, ties))
     assert loose.records[1]["multiplier"] == 2.0
+
+
+def test_a_round_is_its_values_a_fresh_strategy_steps_the_same_from_them():
+    """Nothing of a round is left on the strategy: FedTOPS's step from round 2's aggregate and
+    score rows is the same on a strategy that never ran a round, and each phase's value says what
+    the next one takes (Δ_t = mean − θ_t, the weights of the train replies)."""
+    scores = {1: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0] * 6), 2: ([0.3, 0.2, 0.1, 0.05, 0.01, 0.0], [0.0, 0.0, 0.0, 0.0, 0.1, 0.1])}
+    grid, strategy = FakeGrid(UPDATES, WEIGHTS, scores), FedTOPS(**_common(2))
+    first = play_round(strategy, grid, 1, _record(THETA), ConfigRecord(), train_timeout=None, score_timeout=None)
+    second = play_round(strategy, grid, 2, first.step.arrays(), ConfigRecord(), train_timeout=None, score_timeout=None)
+    train, rows = second.train, second.scores
+    assert train.weights == {1: 1.0, 2: 3.0} and [r for r, _, _ in rows.rows] == [1, 2]
+    assert all(np.array_equal(train.delta[k], train.mean[k] - train.theta[k]) for k in KEYS)
+    fresh = FedTOPS(**_common(2)).step(train, rows)
+    assert fresh.multiplier == second.step.multiplier == 3.0 and fresh.details == second.step.details
+    assert all(np.array_equal(fresh.theta[k], second.step.theta[k]) for k in KEYS)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fixed", "fedtops", "fedtops-se", "fedtops-heldout-cache", "local", "centralized"])
+def test_no_strategy_is_a_flower_strategy_that_flower_could_run_as_fedavg(name):
+    """Flower's contract: a strategy here is not a Flower Strategy (whose start would run FedAvg's
+    aggregation); its own start takes Strategy.start's arguments and runs its rounds."""
+    from flwr.serverapp.strategy import Strategy
+
+    strategy = make_strategy(StrategySettings(name=name, multiplier=3.0), num_clients=2)
+    assert not isinstance(strategy, Strategy)
+    result = strategy.start(FakeGrid(UPDATES, WEIGHTS, {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}), _record(THETA), num_rounds=1, timeout=60.0)
+    assert 1 in result.train_metrics_clientapp
