@@ -561,6 +561,9 @@ def test_fedtops_still_scores_and_selects_under_dp():
     assert record["teacher_scores"][3] == pytest.approx(0.6, rel=1e-12)
     assert record["privacy"]["releases"] == 2  # the update and the scores
     assert record["privacy"]["score-noise-std"] == [0.0, 0.0] and record["privacy"]["score-rows"] == 2
+    # one "privacy" entry and one "privacy-diagnostics" entry hold both releases' fields
+    assert record["privacy"]["update-noise-std"] == 0.0 and record["privacy-diagnostics"]["updates-averaged"] == 2
+    assert record["privacy-diagnostics"]["public-score-rows"] == []
 
 
 def test_a_client_without_valid_scores_gets_the_public_row_which_allows_a_up_to_1():

@@ -573,3 +573,23 @@ def test_a_round_that_averages_fewer_updates_than_the_aggregator_needs_says_so(c
 def test_under_privacy_a_robust_aggregator_is_refused_for_privacy_not_for_its_breakdown_point():
     with pytest.raises(ConfigError, match="'strategy.aggregator' = 'median' cannot be combined with 'privacy.clipping' = 'fixed'"):
         parse_run_config({"privacy.clipping": "fixed", "num-clients": 2, "strategy.aggregator": "median"})
+
+
+def test_an_average_that_is_not_finite_holds_the_round_and_says_so():
+    """Whatever averager runs (one interface), a non-finite average holds the round with θ_t and
+    the record names that, not a missing update; no score query goes out."""
+    from fedtops_strategy.averaging import Average, WeightedMean
+
+    class Overflowing(WeightedMean):
+        def average(self, server_round, updates, theta):
+            return Average({k: np.full_like(v, np.inf) for k, v in theta.items()})
+
+    scores = {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2, 3)}
+    strategy = FedTOPS(**_common(3))
+    strategy.averager = Overflowing()
+    grid = FakeGrid({**HONEST, 3: HONEST[2]}, EQUAL, scores)
+    new = _run(strategy, grid)
+    assert all(np.array_equal(n, t) for n, t in zip(new, THETA))
+    record = new.records[1]
+    assert record["multiplier"] == 0.0 and record["hold-reason"] == "the averaged adapter is not finite"
+    assert len(record["clients"]) == 3 and not any(m.metadata.message_type == "query.score" for m in grid.sent)

@@ -512,3 +512,21 @@ def test_no_strategy_is_a_flower_strategy_that_flower_could_run_as_fedavg(name):
     assert not isinstance(strategy, Strategy)
     result = strategy.start(FakeGrid(UPDATES, WEIGHTS, {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}), _record(THETA), num_rounds=1, timeout=60.0)
     assert 1 in result.train_metrics_clientapp
+
+
+def test_centralized_takes_its_one_learners_adapter_as_the_global_one():
+    strategy = make_strategy(StrategySettings(name="centralized"), num_clients=2)
+    grid = FakeGrid(UPDATES, WEIGHTS)
+    new = _run(strategy, grid)
+    # one train message, to node 1 (the smallest sampled id); its adapter is θ_1 as sent (a = 1)
+    assert [m.metadata.dst_node_id for m in grid.sent] == [1]
+    assert all(np.array_equal(n, np.asarray(u, np.float32)) for n, u in zip(new, UPDATES[1]))
+    assert new.records[1]["multiplier"] == 1.0 and new.records[1]["trained-node-ids"] == [1]
+    assert new.records[1]["sampled-node-ids"] == [1, 2]
+
+
+def test_the_score_query_is_timed_in_the_record_of_a_strategy_that_has_one():
+    scores = {n: ([0.1] * 6, [0.0] * 6) for n in (1, 2)}
+    fedtops = _run(FedTOPS(**_common(2)), FakeGrid(UPDATES, WEIGHTS, scores)).records[1]
+    assert isinstance(fedtops["score_seconds"], float) and 0.0 <= fedtops["score_seconds"] < 60.0
+    assert "score_seconds" not in _run(LoRAFedAvg(**_common(2)), FakeGrid(UPDATES, WEIGHTS)).records[1]
