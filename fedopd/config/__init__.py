@@ -9,12 +9,11 @@ importable from here too, the path that users and the apps use.
 from fedopd.config.parse import (
     REGISTERED,
     allowed_values,
-    check_aggregator,
-    check_per_round,
     check_server_requirements,
     parse_candidates,
     parse_run_config,
 )
+from fedopd.config.robustness_rules import check_aggregator, check_per_round
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import (
     _KEYS,
