@@ -87,9 +87,8 @@ class ServerStrategy:
 
     Parameters (keyword-only)
     ----------
-    fraction_train, min_train_nodes, min_available_nodes, fraction_evaluate : float, int
-        Flower's FedAvg sampling (its ``configure_train`` draws the nodes); ``fraction_evaluate``:
-        Flower's federated evaluation in :meth:`start` only (the app evaluates on held-out prompts).
+    fraction_train, min_train_nodes, min_available_nodes : float, int
+        Flower's FedAvg sampling (its ``configure_train`` draws the nodes).
     sampling_seed : int
         The run's seed: which nodes round t samples.
     num_partitions, max_examples : int | None
@@ -117,7 +116,6 @@ class ServerStrategy:
         fraction_train: float = 1.0,
         min_train_nodes: int = 2,
         min_available_nodes: int = 2,
-        fraction_evaluate: float = 0.0,
         sampling_seed: int = 0,
         num_partitions: int | None = None,
         max_examples: int | None = None,
@@ -128,16 +126,13 @@ class ServerStrategy:
         start_timeout: float = float("inf"),
         skip_after: int = 0,
     ) -> None:
-        # Flower's FedAvg for its seeded draw (and start()'s federated evaluation); it aggregates nothing
+        # Flower's FedAvg for its seeded draw only: it aggregates and evaluates nothing
         flwr_logger = logging.getLogger("flwr")
         level = flwr_logger.level
         flwr_logger.setLevel(logging.ERROR)  # fraction_evaluate = 0 is the design here: no warning
         try:
             self.flower = FedAvg(
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-                min_train_nodes=min_train_nodes,
-                min_available_nodes=min_available_nodes,
+                fraction_train=fraction_train, fraction_evaluate=0.0, min_train_nodes=min_train_nodes, min_available_nodes=min_available_nodes
             )
         finally:
             flwr_logger.setLevel(level)
@@ -309,11 +304,19 @@ class ServerStrategy:
         on_round: Callable[[RoundResult], None] | None = None,
     ) -> Result:
         """Flower's ``Strategy.start`` with this strategy's rounds (:func:`fedtops_strategy.round.play_round`,
-        the score phase included), then Flower's federated evaluation (``fraction_evaluate``) and
-        ``evaluate_fn`` as Flower runs them. The ``Result`` holds the last θ, each round's
-        :meth:`round_metrics` as its train metrics, and the evaluations; ``on_round`` gets each
-        round's :class:`~fedtops_strategy.round.RoundResult`. With ``privacy``, it stops before a
-        round whose releases would exceed ``privacy.max-epsilon`` and returns what was released."""
+        the score phase included) and ``evaluate_fn`` (θ_0, then each round's θ) as Flower runs it.
+        The ``Result`` holds the last θ, each round's :meth:`round_metrics` as its train metrics
+        and ``evaluate_fn``'s values; ``on_round`` gets each round's
+        :class:`~fedtops_strategy.round.RoundResult`. With ``privacy``, it stops before a round
+        whose releases would exceed ``privacy.max-epsilon`` and returns what was released.
+
+        There is no federated evaluation round here (``evaluate_config`` is logged, not sent):
+        Flower's would read the clients' evaluate replies unchecked; this app's held-out evaluation
+        is its own phase (``server_app/evaluation.py``). A strategy runs one federation: its
+        cross-round state (silence, the sampler's first round, Local's adapters, the privacy
+        ledger) belongs to it, so a second ``start`` on the same instance is refused."""
+        if self.sampler.first_round is not None:
+            raise RuntimeError(f"this {type(self).__name__} already ran a federation (its state carries across rounds): build a new one")
         log(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
@@ -331,9 +334,6 @@ class ServerStrategy:
             result.train_metrics_clientapp[server_round] = self.round_metrics(played)
             if on_round is not None:
                 on_round(played)
-            messages = self.flower.configure_evaluate(server_round, arrays, ConfigRecord(dict(evaluate_config or {})), grid)
-            if (metrics := self.flower.aggregate_evaluate(server_round, grid.send_and_receive(messages, timeout=timeout))) is not None:
-                result.evaluate_metrics_clientapp[server_round] = metrics
             if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result

@@ -14,8 +14,9 @@ travels in its train messages' config (``learner``, ``build-scoring-cache``), ne
     register_strategy("fedavgm-half", lambda cfg, common: FixedMultiplier(0.5, **common), Capabilities())
 
 ``fedopd.config`` validates ``strategy.name`` against the names registered here and reads the
-declaration to refuse settings a strategy does not support; the ServerApp reads it to run the
-score phase and to save per-client adapters; nothing looks at a strategy's class or name for that.
+declaration to refuse settings a strategy does not support; the ServerApp reads it to save
+per-client adapters and to check the data; :func:`make_strategy` refuses a strategy whose score
+phase its declaration does not state. Nothing looks at a strategy's class or name for that.
 """
 
 from __future__ import annotations
@@ -121,4 +122,11 @@ def make_strategy(
         # would change the schedule): timeout.skip-after has no effect (docs/privacy.md).
         skip_after=timeouts.skip_after if timeouts is not None and update_privacy is None else 0,
     )
-    return STRATEGIES[cfg.name](cfg, common)
+    strategy = STRATEGIES[cfg.name](cfg, common)
+    declared = capabilities(cfg.name).score_phase
+    if strategy.score_phase != declared:  # the run config's checks and privacy's accounting read the declaration
+        raise ValueError(
+            f"strategy.name = {cfg.name!r} builds a {type(strategy).__name__}, which {'has' if strategy.score_phase else 'has no'} score phase, "
+            f"but is registered with Capabilities(score_phase={declared}); register it with score_phase={strategy.score_phase}"
+        )
+    return strategy

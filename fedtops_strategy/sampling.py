@@ -144,18 +144,18 @@ class NodeSampler:
         left out because they sit out)."""
         if self.first_round is None:
             self.first_round = server_round
-        elif server_round != self.first_round:
-            flower.min_available_nodes = flower.min_train_nodes
-        saved, min_train = random.getstate(), flower.min_train_nodes
+        saved, min_train, min_available = random.getstate(), flower.min_train_nodes, flower.min_available_nodes
         random.seed(f"fedtops-sampling:{self.seed}:{server_round}")
         if server_round == self.first_round:
             # Flower sizes the sample on the nodes connected *before* it waits for
             # min_available_nodes; the first round samples from the num-clients it waits for.
-            flower.min_train_nodes = max(min_train, int(flower.min_available_nodes * flower.fraction_train))
+            flower.min_train_nodes = max(min_train, int(min_available * flower.fraction_train))
+        else:  # later rounds sample from the nodes connected, waiting only for min_train_nodes
+            flower.min_available_nodes = min_train
         view = SortedNodes(grid, max(flower.min_available_nodes, min_train), self.start_timeout, sitting_out, server_round)
         try:
             sampled = list(flower.configure_train(server_round, arrays, config, view))
         finally:
             random.setstate(saved)
-            flower.min_train_nodes = min_train
+            flower.min_train_nodes, flower.min_available_nodes = min_train, min_available
         return sampled, view.left_out

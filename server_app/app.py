@@ -137,7 +137,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         num_partitions=num_clients if cfg.num_clients else None,
     )
     supports = capabilities(cfg.strategy.name)
-    privacy = run_privacy(cfg, strategy, supports.score_phase)
+    privacy = run_privacy(cfg, strategy)
     privacy.check_first_round()
     check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
     # The pair and its stop set, from the models' files, before anything is written: a pair the

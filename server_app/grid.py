@@ -39,7 +39,8 @@ MAX_POLL_S = 0.25
 
 
 class PromptGrid(Grid):
-    """``on_reply(message)``, when set, is called for each reply as it is taken (progress lines).
+    """``on_reply(reply, message)``, when set, is called for each reply as it is taken, with the
+    message it answers (None: not one this grid sent) (progress lines).
 
     ``on_error(server_round, node_id, message_type, reason)``, when set, is called first for each
     error reply with its full reason, which the reply then carries cut to its root cause's line.
@@ -51,7 +52,7 @@ class PromptGrid(Grid):
     def __init__(
         self,
         grid: Grid,
-        on_reply: Callable[[Message], None] | None = None,
+        on_reply: Callable[[Message, Message | None], None] | None = None,
         on_error: Callable[[int | None, int, str, str], None] | None = None,
     ) -> None:
         self.grid = grid.grid if isinstance(grid, PromptGrid) else grid
@@ -126,7 +127,7 @@ class PromptGrid(Grid):
             _hook_failed(reply, "error", err)
         try:
             if self.on_reply is not None:
-                self.on_reply(reply)
+                self.on_reply(reply, message)
         except Exception as err:  # noqa: BLE001
             _hook_failed(reply, "reply", err)
 

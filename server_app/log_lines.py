@@ -42,17 +42,20 @@ def evaluation_summary(evaluation: dict | None) -> str:
     return f" | held-out {label}greedy {evaluation['accuracy']:.1f}% {sampled}"
 
 
-def reply_summary(msg) -> str | None:
+def reply_summary(msg, sent=None) -> str | None:
     """One progress line for a client's reply, as it arrives: what it did, with counts and times,
     from the reply as the boundary checks it (:func:`fedtops_strategy.replies.parse_progress`);
-    for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`).
-    None for a reply the boundary refuses (the phase's screening says why it is left out)."""
+    for an error reply, the root cause's line of its reason (:func:`server_app.error_lines.root_cause`),
+    under the node and type of the message it answers (``sent``: an error the SuperLink writes
+    for a node it lost comes from the SuperLink). None for a reply the boundary refuses (the
+    phase's screening says why it is left out)."""
     try:
-        node = int(msg.metadata.src_node_id)
+        node = int((sent or msg).metadata.dst_node_id if sent is not None else msg.metadata.src_node_id)
     except (TypeError, ValueError, OverflowError):
         return None
     kind = msg.metadata.message_type
     if msg.has_error():
+        kind = sent.metadata.message_type if sent is not None else kind
         return f"  node {node}: {escape(kind, KEY_CHARS)} failed: {root_cause(msg.error.reason)}"
     reply = parse_progress(msg, node, Expected(num_candidates=MAX_LIST))
     if isinstance(reply, Rejection):
@@ -81,8 +84,8 @@ def reply_summary(msg) -> str | None:
     return None
 
 
-def log_reply(msg) -> None:
-    line = reply_summary(msg)
+def log_reply(msg, sent=None) -> None:
+    line = reply_summary(msg, sent)
     if line:
         log(INFO, "%s", line)
 

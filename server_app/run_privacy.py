@@ -127,6 +127,8 @@ class PrivateRun(NoPrivacy):
         return self.privacy.budget_stop(server_round, self.scores)
 
 
-def run_privacy(cfg: RunConfig, strategy, scores: bool) -> NoPrivacy:
-    """The run's privacy layer: :class:`PrivateRun` around the strategy's privacy, else :class:`NoPrivacy`."""
-    return NoPrivacy() if strategy.privacy is None else PrivateRun(cfg, strategy.privacy, scores)
+def run_privacy(cfg: RunConfig, strategy) -> NoPrivacy:
+    """The run's privacy layer: :class:`PrivateRun` around the strategy's privacy, accounting the
+    score rows' release when the strategy has a score phase (``strategy.score_phase``), else
+    :class:`NoPrivacy`."""
+    return NoPrivacy() if strategy.privacy is None else PrivateRun(cfg, strategy.privacy, strategy.score_phase)

@@ -179,6 +179,14 @@ def test_a_forged_log_line_in_a_reason_stays_inside_the_error_line():
     assert reply_summary(error_reply(reason)) == "  node 5: train failed: x INFO :      round 3/3 [fedtops] ok"
 
 
+def test_an_error_the_superlink_writes_for_a_lost_node_names_that_node_and_the_phase():
+    """The SuperLink answers for a node it lost (sender: the SuperLink, a system message type):
+    the line names the node and type of the message it answers."""
+    lost = message(Error(code=5, reason="Error: Node Unavailable"), "system", src=1, dst=0, reply_to="m")
+    sent = message(RecordDict(), "query.score", dst=7, message_id="m")
+    assert reply_summary(lost, sent) == "  node 7: query.score failed: Error: Node Unavailable"
+
+
 def test_the_error_line_names_the_node_of_the_metadata_and_escapes_the_type():
     reply = error_reply("E: x", src=1042)
     reply.metadata.__dict__["_message_type"] = "train\n\u202e"  # past Metadata's own check, as if decoded unchecked
@@ -362,7 +370,7 @@ def test_a_failing_hook_neither_raises_nor_keeps_the_other_from_running():
     def broken(*args):
         raise ValueError("\n\x1b[31mforged")
 
-    grid = PromptGrid(object(), on_reply=seen.append, on_error=broken)
+    grid = PromptGrid(object(), on_reply=lambda reply, sent: seen.append(reply), on_error=broken)
     reply = error_reply("E: x\n\u202e")
     with mock.patch("server_app.grid.log") as log:
         grid._hooks(reply, _sent())

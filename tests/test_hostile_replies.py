@@ -181,7 +181,7 @@ def test_a_logging_hook_that_raises_never_stops_the_run(tmp_path, monkeypatch):
     """The grid calls the progress-line hook on every reply; whatever makes it fail is logged."""
     import server_app.app as server
 
-    def broken(msg):
+    def broken(*args):
         raise ValueError("cannot convert float NaN to integer")
 
     monkeypatch.setattr(server, "log_reply", broken)

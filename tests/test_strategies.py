@@ -530,3 +530,16 @@ def test_the_score_query_is_timed_in_the_record_of_a_strategy_that_has_one():
     fedtops = _run(FedTOPS(**_common(2)), FakeGrid(UPDATES, WEIGHTS, scores)).records[1]
     assert isinstance(fedtops["score_seconds"], float) and 0.0 <= fedtops["score_seconds"] < 60.0
     assert "score_seconds" not in _run(LoRAFedAvg(**_common(2)), FakeGrid(UPDATES, WEIGHTS)).records[1]
+
+
+def test_start_runs_one_federation_per_strategy_and_sends_no_unchecked_evaluation():
+    """Flower's start: no federated evaluation round (its replies would go unchecked to Flower's
+    aggregate), the sampling settings as built after the run, and a second start on the same
+    instance refused (silence, the sampler's first round and Local's adapters are the run's)."""
+    strategy, grid = LoRAFedAvg(**_common(2)), FakeGrid(UPDATES, WEIGHTS)
+    seen = []
+    strategy.start(grid, _record(THETA), num_rounds=2, timeout=60.0, evaluate_fn=lambda t, arrays: seen.append(t))
+    assert {m.metadata.message_type for m in grid.sent} == {"train"} and seen == [0, 1, 2]
+    assert (strategy.flower.min_available_nodes, strategy.flower.min_train_nodes) == (2, 1)
+    with pytest.raises(RuntimeError, match="already ran a federation"):
+        strategy.start(grid, _record(THETA), num_rounds=1)

@@ -196,3 +196,22 @@ def test_a_federated_learner_message_trains_on_its_own_partition(monkeypatch):
 def test_a_train_message_with_an_unknown_learner_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="'learner' = 'swarm'; allowed: 'federated', 'local', 'centralized'"):
         _client_train(monkeypatch, {"learner": "swarm"})
+
+
+def test_a_strategy_registered_without_the_score_phase_it_has_is_refused():
+    """Privacy accounts the score rows' release, and the run config checks the score keys, from
+    the declaration: a builder whose strategy has a score phase it does not declare is refused."""
+    from fedopd.config import StrategySettings
+    from fedopd.core.strategies import Capabilities
+    from fedtops_strategy import FedTOPS, make_strategy
+    from fedtops_strategy.factory import CAPABILITIES, STRATEGIES, register_strategy
+
+    register_strategy("fedtops-undeclared", lambda cfg, common: FedTOPS(**common))
+    register_strategy("fedtops-declared", lambda cfg, common: FedTOPS(**common), Capabilities(score_phase=True))
+    try:
+        with pytest.raises(ValueError, match=r"has score phase, but is registered with Capabilities\(score_phase=False\)"):
+            make_strategy(StrategySettings(name="fedtops-undeclared"), num_clients=2)
+        assert make_strategy(StrategySettings(name="fedtops-declared"), num_clients=2).score_phase
+    finally:
+        for name in ("fedtops-undeclared", "fedtops-declared"):
+            STRATEGIES.pop(name), CAPABILITIES.pop(name)

@@ -22,9 +22,10 @@ class Capabilities:
 
     averages: it forms an average of client updates (``strategy.aggregator``, ``clip-norm``,
         ``max-weight`` and ``privacy.*`` act on it);
-    score_phase: it has FedTOPS's score phase (``score_phase``, which runs ``configure_score`` and
-        ``aggregate_score``: a subclass of :class:`~fedtops_strategy.fedtops.FedTOPS`; the
-        ``strategy.max-vetoes``/``score-aggregate`` keys act on its score replies);
+    score_phase: it has FedTOPS's score phase (its ``configure_score`` asks the clients; the
+        ``strategy.max-vetoes``/``score-aggregate`` and ``privacy.score-*`` keys act on its score
+        replies); ``make_strategy`` refuses a builder whose strategy says otherwise
+        (``ServerStrategy.score_phase``);
     private: ``privacy.*`` can protect everything it releases (a variant whose score replies carry
         more than Ĵ and K̂, unprotected, is not);
     per_client_adapters: each client keeps its own adapter and there is no global one (Local);
