@@ -119,8 +119,9 @@ class PrivateRun(NoPrivacy):
             log(INFO, "privacy.max-epsilon = %g allows %d of the %d rounds to run", cfg.privacy.max_epsilon, fit, rounds_left)
 
     def stop_rules(self, cfg: RunConfig) -> StopRules:
-        """The stop rules that do not read who answered (:class:`PrivateStopRules`)."""
-        return PrivateStopRules(cfg.max_failed_rounds, cfg.max_held_rounds)
+        """The stop rules that do not read who answered (:class:`PrivateStopRules`): ``max-failed-rounds``
+        has no effect, since a round without updates releases θ_t plus noise."""
+        return PrivateStopRules(0, cfg.max_held_rounds)
 
     def budget_stop(self, server_round: int) -> str | None:
         """Why ``server_round``'s releases would exceed ``privacy.max-epsilon`` (they are known in advance), or None."""

@@ -88,11 +88,9 @@ class StopRules:
 
 @dataclass
 class PrivateStopRules(StopRules):
-    """Under privacy the run's length must not depend on who answered: ``max-failed-rounds`` has
-    no effect (a round without updates releases θ_t plus noise) and a hold is a released a = 0."""
-
-    def __post_init__(self) -> None:
-        self.max_failed_rounds = 0
+    """Under privacy the run's length must not depend on who answered: a hold is a released a = 0
+    (the privacy layer builds it with ``max_failed_rounds`` 0: a round without updates releases
+    θ_t plus noise, :meth:`server_app.run_privacy.PrivateRun.stop_rules`)."""
 
     @staticmethod
     def held(record: dict) -> bool:
