@@ -7,10 +7,10 @@
   order, so a seeded draw depends only on the seed, the round and the node ids), without the nodes
   that sit out, and with a deadline on waiting for enough nodes to connect (Flower's
   ``sample_nodes`` would otherwise wait forever).
-* :class:`Silence`: per node, the consecutive rounds in which it did not answer in time in some
-  phase it was asked in (train, score *or* evaluate). A node at ``skip_after`` such rounds sits out
-  the next ``skip_after`` rounds of sampling and evaluation. A round in which it answered every
-  phase it was asked in clears the count.
+* :class:`Silence`: per node, the rounds in which it did not answer in time in some phase it was
+  asked in (train, score *or* evaluate). A node silent in ``skip_after`` (k) of the last 2k rounds
+  it was asked in, consecutive or not, sits out the next k rounds of sampling and evaluation, twice
+  as many each time it is set out again before 2k answered rounds clear its history.
 * :func:`reply_nodes` and :func:`missing_replies`: which node each reply answers for (from the
   messages the server sent, never from a reply's content), and which sent messages got none.
 """
@@ -25,6 +25,8 @@ from typing import Any
 
 from flwr.app import Message
 from flwr.common.logger import log
+
+MAX_DOUBLINGS = 5  # a node sits out at most 32 × timeout.skip-after rounds at a time
 
 
 class NodesNotConnected(RuntimeError):
@@ -80,43 +82,66 @@ class SortedNodes:
 
 
 class Silence:
-    """Consecutive rounds of silence per node, over every phase that waits for it (module docstring).
+    """Per node, how often it stayed silent in the rounds it was asked (module docstring).
 
-    Each phase reports whom it asked and who did not answer in time (:meth:`note`); a round's count
-    moves when the round closes (:meth:`close_round`), or, for a node that was silent, as soon as it
-    is noted (so that the nodes that sit out are known before the round's evaluation)."""
+    A round counts as silent for a node when it did not answer in time in some phase it was asked
+    in (train, score *or* evaluate; once per round). A node sits out when it was silent in at least
+    ``skip_after`` (k) of the last 2k rounds it was asked in, consecutive or not, so a node silent
+    every other round is set out too. It sits out k rounds the first time, and twice as many each
+    time it is set out again before its last 2k rounds asked hold no silence (at most
+    :data:`MAX_DOUBLINGS` doublings): a node that keeps failing costs a deadline ever more rarely,
+    and one that answers 2k rounds in a row starts afresh.
+
+    Each phase reports whom it asked and who did not answer in time (:meth:`note`); a silence
+    counts as soon as it is noted (so that the nodes that sit out are known before the round's
+    evaluation), an answer when the round closes (:meth:`close_round`)."""
 
     def __init__(self, skip_after: int = 0) -> None:
         self.skip_after = int(skip_after)
-        self.counts: dict[int, int] = {}  # node -> consecutive rounds with a phase it did not answer in time
+        self.history: dict[int, list[bool]] = {}  # node -> silent?, for the last 2k rounds it was asked in
+        self.times_out: dict[int, int] = {}  # node -> times set out since its history was last clean
         self.skipped_until: dict[int, int] = {}  # node -> the last round it sits out
         self._silent_in: dict[int, int] = {}  # node -> the last round it was counted silent in
         self._asked: dict[int, set[int]] = {}  # round -> the nodes asked in it
 
+    @property
+    def counts(self) -> dict[int, int]:
+        """Node -> the silent rounds among the last 2k it was asked in."""
+        return {node: sum(h) for node, h in self.history.items()}
+
+    def _push(self, node: int, silent: bool) -> None:
+        window = max(2 * self.skip_after, 1)
+        self.history[node] = (self.history.get(node, []) + [silent])[-window:]
+        if not any(self.history[node]):
+            self.times_out[node] = 0
+
     def note(self, server_round: int, asked: Iterable[int], silent: Iterable[int]) -> None:
         """A phase of ``server_round`` asked ``asked``; ``silent`` did not answer in time."""
         self._asked.setdefault(server_round, set()).update(int(n) for n in asked)
-        for node in {int(n) for n in silent}:
+        for node in sorted({int(n) for n in silent}):
             if self._silent_in.get(node) == server_round:
                 continue  # one round counts once, whatever its phases
             self._silent_in[node] = server_round
-            self.counts[node] = self.counts.get(node, 0) + 1
-            if self.skip_after and self.counts[node] >= self.skip_after:
-                self.skipped_until[node] = server_round + self.skip_after
+            self._push(node, True)
+            if self.skip_after and sum(self.history[node]) >= self.skip_after:
+                rounds = self.skip_after * 2 ** min(self.times_out.get(node, 0), MAX_DOUBLINGS)
+                self.times_out[node] = self.times_out.get(node, 0) + 1
+                self.skipped_until[node] = server_round + rounds
                 log(
                     WARNING,
-                    "node %d did not answer in time in %d consecutive rounds; it sits out rounds %d-%d (timeout.skip-after)",
+                    "node %d did not answer in time in %d of the last %d rounds it was asked in; it sits out rounds %d-%d (timeout.skip-after)",
                     node,
-                    self.counts[node],
+                    sum(self.history[node]),
+                    len(self.history[node]),
                     server_round + 1,
-                    server_round + self.skip_after,
+                    server_round + rounds,
                 )
 
     def close_round(self, server_round: int) -> None:
-        """Clear the count of every node that answered every phase it was asked in ``server_round``."""
-        for node in self._asked.pop(server_round, set()):
+        """Count an answer for every node that answered every phase it was asked in ``server_round``."""
+        for node in sorted(self._asked.pop(server_round, set())):
             if self._silent_in.get(node) != server_round:
-                self.counts[node] = 0
+                self._push(node, False)
 
     def sitting_out(self, server_round: int) -> frozenset[int]:
         """The nodes that sit out ``server_round``."""

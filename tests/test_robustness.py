@@ -309,13 +309,40 @@ def test_a_node_that_never_answers_sits_out_after_k_rounds_and_is_asked_again():
     assert _sampled(strategy, FakeGrid(updates, EQUAL, lost=lost), 4) == [([1, 2, 3], [])] * 4
 
 
-def test_an_answer_clears_a_nodes_timeouts():
-    updates = {**HONEST, 3: HONEST[2]}
+def _silences(strategy, rounds, silent_on_ask):
+    """Drive ``rounds`` rounds in which node 3 answers or not by how many times it has been asked
+    (``silent_on_ask(k)`` for its k-th ask, from 1); the rounds in which it was asked and silent."""
+    updates, asks, costly = {**HONEST, 3: HONEST[2]}, 0, []
+    for server_round in range(1, rounds + 1):
+        if 3 in strategy.sitting_out(server_round):
+            _run_round(strategy, FakeGrid(updates, EQUAL), server_round)
+            continue
+        asks += 1
+        silent = silent_on_ask(asks)
+        _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")} if silent else None), server_round)
+        costly += [server_round] if silent else []
+    return costly
+
+
+def test_a_node_silent_every_other_round_costs_a_deadline_ever_more_rarely():
+    """k = 2: silent in 2 of its last 4 asked rounds sets a node out, consecutive or not, for 2
+    rounds, then 4, 8, 16 while its history still holds a silence. By hand: silent at asks 1, 3
+    (rounds 1, 3: out 4-5), ask 5 (round 7: out 8-11), ask 7 (round 13: out 14-21), ask 9
+    (round 23: out 24-39). Counting consecutive rounds only, it cost every other round: 15 of 30."""
     strategy = LoRAFedAvg(skip_after=2, **_common(3))
-    _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 1)
-    _run_round(strategy, FakeGrid(updates, EQUAL), 2)  # answers
-    _run_round(strategy, FakeGrid(updates, EQUAL, lost={3: ("train", "silent")}), 3)
-    assert strategy.timeouts[3] == 1 and strategy.sitting_out(4) == frozenset()
+    assert _silences(strategy, 30, lambda ask: ask % 2 == 1) == [1, 3, 7, 13, 23]
+
+
+def test_fewer_than_k_silences_in_2k_rounds_never_set_a_node_out_and_2k_answers_start_afresh():
+    # k = 2: silent at asks 1 and 5, three answers between: at most one silence in any 4 asked rounds
+    strategy = LoRAFedAvg(skip_after=2, **_common(3))
+    assert _silences(strategy, 6, lambda ask: ask in (1, 5)) == [1, 5]
+    assert strategy.timeouts[3] == 1 and not any(strategy.sitting_out(t) for t in range(1, 8))
+    # set out once (rounds 1, 2 silent: out 3-4), four answers (rounds 5-8) clear its history: the
+    # next two silences (rounds 9, 10) set it out for 2 rounds again (11-12), not 4
+    strategy = LoRAFedAvg(skip_after=2, **_common(3))
+    assert _silences(strategy, 12, lambda ask: ask in (1, 2, 7, 8)) == [1, 2, 9, 10]
+    assert strategy.skipped_until[3] == 12
 
 
 def test_a_skipped_node_is_sampled_when_too_few_others_are_connected():

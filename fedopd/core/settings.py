@@ -410,7 +410,7 @@ class TimeoutSettings:
     skip_after: int = setting(
         2,
         _int(0),
-        "a node that did not answer in time (train or score) in this many consecutive rounds sits out as many rounds of sampling and evaluation, then is asked again; one answer clears it. Recorded as `skipped-node-ids`. 0 = never skip",
+        "a node that did not answer in time (train, score or evaluate) in k = this many of the last 2k rounds it was asked in, consecutive or not, sits out k rounds of sampling and evaluation, then is asked again; set out again before 2k answered rounds clear it, twice as long each time (at most 32k). Recorded as `skipped-node-ids`. 0 = never skip",
     )
 
 
