@@ -209,7 +209,10 @@ class ServerStrategy:
         kept = []
         for reply in typed:
             problem = self.averager.refuse(reply, theta)
-            (rejected.append(Rejection(reply.node_id, problem)) if problem else kept.append(reply))
+            if problem:
+                rejected.append(Rejection(reply.node_id, problem))
+            else:
+                kept.append(reply)
         for r in rejected:
             log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, r.node_id, r.reason)
             excluded.append(r.entry())
