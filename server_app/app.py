@@ -81,13 +81,13 @@ def check_connected(cfg: RunConfig, connected: int) -> None:
         ) from None
 
 
-def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None = None, privacy: NoPrivacy | None = None) -> tuple[RunFolder, int]:
+def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None, privacy: NoPrivacy) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
     The folder must hold a run whose resolved config equals this one except for
     :data:`fedopd.config.RESUME_FREE_KEYS`; a half-written last round is removed.
     """
-    path, privacy = Path(cfg.resume_from).expanduser(), privacy or NoPrivacy()
+    path = Path(cfg.resume_from).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"run config 'resume-from' = {cfg.resume_from!r}: no run folder there (no config.json)")
     original = read_run_config(path)
