@@ -17,6 +17,7 @@ evaluate:  an adapter in → greedy accuracy, Avg@k and Pass@k on the client's h
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -36,6 +37,8 @@ from fedopd.models.lora import check_compatible, from_record
 
 THETA, CACHE, OPTIMIZER, META = "theta", "scoring-cache", "optimizer", "meta"
 LEARNERS = ("federated", "local", "centralized")  # the train config's "learner"
+MAX_CANDIDATES = 64  # a score query's candidates: each costs one pass over the scoring cache
+SCORED = "scored"  # META's flag: this round's score query was answered (one per round trained)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +157,40 @@ def restore_saved_state(state: RecordDict, folder, config, server_round: int, pi
     return theta
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    """What a score query asks of the client, checked before any work: the round (the one whose
+    scoring cache the client holds), 1 to :data:`MAX_CANDIDATES` finite candidates a >= 0, and
+    whether to add Ĵ_i(a)'s standard errors (``fedtops-se``)."""
+
+    server_round: int
+    candidates: tuple[float, ...]
+    with_se: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> ScoreRequest:
+        raw = config.get("candidates")
+        if not isinstance(raw, (list, tuple)) or not 1 <= len(raw) <= MAX_CANDIDATES:
+            size = len(raw) if isinstance(raw, (list, tuple)) else type(raw).__name__
+            raise ValueError(f"score query: 'candidates' holds {size}; allowed: a list of 1 to {MAX_CANDIDATES} numbers")
+        if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and a >= 0 for a in raw):
+            raise ValueError("score query: 'candidates' holds a value that is not a finite number >= 0")
+        server_round = config.get("server-round")
+        if not isinstance(server_round, int) or isinstance(server_round, bool):
+            raise ValueError("score query: 'server-round' is not an integer")
+        return cls(server_round, tuple(float(a) for a in raw), bool(config.get("score-se", False)))
+
+
 def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
-    models, prompts = worker.setup(cfg, pid, num)
-    server_round = int(content["config"]["server-round"])
+    """Ĵ_i(a) and K̂_i(a) for the candidates on this round's scoring cache: at most one score
+    query per round trained (a second could make the client score any number of increments)."""
+    request = ScoreRequest.from_config(content["config"])
+    server_round = request.server_round
     if CACHE not in state or int(state[META]["server-round"]) != server_round:
         raise RuntimeError(f"score query for round {server_round}, but this client has no scoring cache of that round")
+    if state[META].get(SCORED, False):
+        raise RuntimeError(f"score query for round {server_round}, which this client has already answered")
+    models, prompts = worker.setup(cfg, pid, num)
 
     theta = from_record(state[THETA])
     delta = from_record(content["increment"])
@@ -166,10 +198,9 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     if problem:
         raise ValueError(f"score query: the increment does not fit the adapter: {problem}")
     cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
-    candidates = [float(a) for a in content["config"]["candidates"]]
     started = time.perf_counter()
-    with_se = bool(content["config"].get("score-se", False))  # fedtops-se asks for Ĵ_i(a)'s standard errors
-    scores = score_round(models, theta, delta, cache, candidates, with_se=with_se)
+    scores = score_round(models, theta, delta, cache, list(request.candidates), with_se=request.with_se)
+    state[META] = ConfigRecord({**dict(state[META]), SCORED: True})
 
     metrics = MetricRecord(
         {
@@ -180,7 +211,7 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
             "score_s": time.perf_counter() - started,
         }
     )
-    if with_se:
+    if request.with_se:
         metrics["teacher-score-se"] = scores[2]
     return RecordDict({"scores": metrics})
 

@@ -1,0 +1,76 @@
+"""What a client accepts from the server: a score query's values are read as untrusted input,
+bounded before any work, and answered at most once per round trained."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import client_app.handlers as handlers
+from client_app.handlers import CACHE, MAX_CANDIDATES, META, THETA, ScoreRequest
+from fedopd.config import parse_run_config
+
+FIXED = settings(max_examples=200, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+numbers = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.text(max_size=3), st.none())
+
+
+@FIXED
+@given(
+    st.dictionaries(
+        st.sampled_from(["candidates", "server-round", "score-se", "other"]),
+        st.one_of(
+            numbers,
+            st.lists(numbers, max_size=MAX_CANDIDATES + 3),
+            st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=MAX_CANDIDATES + 3),
+            st.integers(-3, 10),
+        ),
+    )
+)
+@example({"server-round": 1, "candidates": [1.0, math.nan]})
+@example({"server-round": 1, "candidates": [-0.5]})
+@example({"server-round": 1, "candidates": [0.5, math.inf]})
+def test_a_score_query_is_a_bounded_request_or_a_clear_refusal(config):
+    try:
+        request = ScoreRequest.from_config(config)
+    except ValueError as err:
+        assert str(err).startswith("score query: '")
+        return
+    assert 1 <= len(request.candidates) <= MAX_CANDIDATES
+    assert all(math.isfinite(a) and a >= 0 for a in request.candidates)
+    assert isinstance(request.server_round, int)
+
+
+def test_a_score_query_with_more_candidates_than_the_client_scores_is_refused():
+    with pytest.raises(ValueError, match=f"holds {MAX_CANDIDATES + 1}; allowed: a list of 1 to {MAX_CANDIDATES} numbers"):
+        ScoreRequest.from_config({"server-round": 1, "candidates": [1.0] * (MAX_CANDIDATES + 1)})
+    assert len(ScoreRequest.from_config({"server-round": 1, "candidates": [1.0] * MAX_CANDIDATES}).candidates) == MAX_CANDIDATES
+
+
+def test_a_client_answers_one_score_query_per_round_it_trained(monkeypatch):
+    """A second query for the same round is refused before any work (no model is set up)."""
+    calls = []
+    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (calls.append(pid), ["p"] * 4))
+    monkeypatch.setattr(handlers.ScoringCache, "from_arrays", staticmethod(lambda arrays: SimpleNamespace()))
+    monkeypatch.setattr(
+        handlers, "score_round", lambda models, theta, delta, cache, candidates, with_se=False: ([0.1] * len(candidates), [0.0] * len(candidates))
+    )
+    theta = ArrayRecord({"a": Array(np.zeros(2, np.float32))})
+    state = RecordDict({THETA: theta, CACHE: ArrayRecord({"c": Array(np.zeros(1, np.float32))}), META: ConfigRecord({"server-round": 3})})
+    query = RecordDict({"increment": theta, "config": ConfigRecord({"server-round": 3, "candidates": [0.5, 1.0]})})
+    cfg = parse_run_config({})
+    reply = handlers.score(query, state, 1, 2, cfg)
+    assert list(reply["scores"]["teacher-scores"]) == [0.1, 0.1] and calls == [1]
+    with pytest.raises(RuntimeError, match="score query for round 3, which this client has already answered"):
+        handlers.score(query, state, 1, 2, cfg)
+    assert calls == [1]
+    # the next round's train resets it: a new cache, a new query
+    state[META] = ConfigRecord({"server-round": 4})
+    handlers.score(RecordDict({"increment": theta, "config": ConfigRecord({"server-round": 4, "candidates": [1.0]})}), state, 1, 2, cfg)
+    assert calls == [1, 1]
