@@ -61,21 +61,32 @@ class TrainRequest:
     scoring_cache: str = "round"  # where the scoring cache's rollouts come from (fedopd.engine.round.CACHE_SOURCES)
 
     @classmethod
-    def from_config(cls, config) -> TrainRequest:
+    def from_config(cls, config, num_partitions: int | None = None, num_rounds: int | None = None) -> TrainRequest:
+        """The request, checked before any work: a ``server-round`` in [1, ``num_rounds``] and at
+        most ``num_partitions`` pooled clients (what the client's run config and node config say;
+        None: unbounded), a known learner and scoring-cache source."""
         learner = str(config.get("learner", cls.learner))
         if learner not in LEARNERS:
             raise ValueError(f"train message: 'learner' = {learner!r}; allowed: {', '.join(map(repr, LEARNERS))}")
-        pooled = int(config.get("pooled-clients", 0))
-        if pooled < 0:
-            raise ValueError(f"train message: 'pooled-clients' = {pooled}; allowed: an integer >= 0")
+        pooled = config.get("pooled-clients", 0)
+        if not _integer_in(pooled, 0, num_partitions):
+            raise ValueError(f"train message: 'pooled-clients' = {pooled!r}; allowed: an integer in [0, {num_partitions or '∞'}]")
         source = str(config.get("scoring-cache", cls.scoring_cache))
         if source not in CACHE_SOURCES:
             raise ValueError(f"train message: 'scoring-cache' = {source!r}; allowed: {', '.join(map(repr, CACHE_SOURCES))}")
-        return cls(int(config["server-round"]), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), pooled, source)
+        server_round = config.get("server-round")
+        if not _integer_in(server_round, 1, num_rounds):
+            raise ValueError(f"train message: 'server-round' = {server_round!r}; allowed: an integer in [1, {num_rounds or '∞'}]")
+        return cls(int(server_round), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), int(pooled), source)
 
     @property
     def pooled(self) -> bool:
         return self.learner == "centralized"
+
+
+def _integer_in(value: Any, low: int, high: int | None) -> bool:
+    """An int (not a bool) in [low, high] (high None: no upper bound)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
 
 
 def learner_seed(seed: int, partition_id: int, num_partitions: int, *, pooled: bool = False) -> int:
@@ -86,7 +97,7 @@ def learner_seed(seed: int, partition_id: int, num_partitions: int, *, pooled: b
 
 def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
     config = content["config"]
-    request = TrainRequest.from_config(config)
+    request = TrainRequest.from_config(config, num_partitions=num, num_rounds=cfg.num_server_rounds)
     server_round = request.server_round
     models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled)
     plan = RoundPlan.from_config(

@@ -74,3 +74,32 @@ def test_a_client_answers_one_score_query_per_round_it_trained(monkeypatch):
     state[META] = ConfigRecord({"server-round": 4})
     handlers.score(RecordDict({"increment": theta, "config": ConfigRecord({"server-round": 4, "candidates": [1.0]})}), state, 1, 2, cfg)
     assert calls == [1, 1]
+
+
+@FIXED
+@given(st.dictionaries(st.sampled_from(["server-round", "pooled-clients", "learner", "scoring-cache"]), st.one_of(numbers, st.integers(-3, 12))))
+def test_a_train_message_is_a_bounded_request_or_a_clear_refusal(config):
+    """Rounds within num-server-rounds (here 10) and at most num-partitions (here 4) pooled
+    clients: a message cannot make the Centralized learner pool more clients than exist."""
+    from client_app.handlers import TrainRequest
+
+    try:
+        request = TrainRequest.from_config(config, num_partitions=4, num_rounds=10)
+    except ValueError as err:
+        assert str(err).startswith("train message: '")
+        return
+    assert 1 <= request.server_round <= 10 and 0 <= request.pooled_clients <= 4
+    assert all(type(config[k]) is int for k in ("server-round", "pooled-clients") if k in config)  # no 2.5, no True
+
+
+def test_pooling_more_clients_than_partitions_or_a_round_past_the_run_is_refused():
+    from client_app.handlers import TrainRequest
+
+    with pytest.raises(ValueError, match=r"'pooled-clients' = 5; allowed: an integer in \[0, 4\]"):
+        TrainRequest.from_config({"server-round": 1, "learner": "centralized", "pooled-clients": 5}, num_partitions=4, num_rounds=10)
+    with pytest.raises(ValueError, match=r"'server-round' = 11; allowed: an integer in \[1, 10\]"):
+        TrainRequest.from_config({"server-round": 11}, num_partitions=4, num_rounds=10)
+    assert (
+        TrainRequest.from_config({"server-round": 10, "learner": "centralized", "pooled-clients": 4}, num_partitions=4, num_rounds=10).pooled_clients
+        == 4
+    )

@@ -217,7 +217,7 @@ def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=Non
         {"server-round": server_round, "run-dir": str(tmp_path / "run"), "learner": learner, "build-scoring-cache": False, **(extra_config or {})}
     )
     content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": config})
-    cfg = parse_run_config(BASE)
+    cfg = parse_run_config({**BASE, "num-server-rounds": 8})  # a client takes rounds up to num-server-rounds
     try:
         handlers.train(content, RecordDict() if state is None else state, 1, 3, cfg)
     finally:
