@@ -33,12 +33,21 @@ OPTIMIZER_FILE, ADAPTER_FILE = "optimizer.safetensors", "adapter.safetensors"
 KEEP = 2
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # a run folder's name, as new_run_dir makes them
+
+
 def client_state_dir(config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str) -> Path | None:
-    """Where this client's per-round state goes; None when the server named no run folder."""
+    """Where this client's per-round state goes; None when the server named no run folder.
+
+    The server's ``run-dir`` only names the run (its last part, a run folder's name: letters,
+    digits, ``.``, ``_``, ``-``, not starting with a dot): under ``client-state-dir`` or the
+    host's cache, nothing the server sends can place the state, or its clean-up, elsewhere."""
     run_dir = config.get("run-dir")
     if not run_dir:
         return None
     run = Path(str(run_dir))
+    if not RUN_NAME.match(run.name):
+        raise ValueError(f"train message: 'run-dir' ends in {run.name[:40]!r}, which is not a run folder's name (letters, digits, '.', '_', '-')")
     base = node_config.get("client-state-dir")
     if not base and node_config.get("worker") == "resident":
         # A SuperNode host need not see the server's file system: keep it in the host's cache.

@@ -103,3 +103,40 @@ def test_pooling_more_clients_than_partitions_or_a_round_past_the_run_is_refused
         TrainRequest.from_config({"server-round": 10, "learner": "centralized", "pooled-clients": 4}, num_partitions=4, num_rounds=10).pooled_clients
         == 4
     )
+
+
+@FIXED
+@given(
+    st.one_of(st.text(max_size=60), st.lists(st.sampled_from(["runs", "..", ".", "", "a-b", ".x", "/"]), max_size=4).map("/".join)),
+    st.sampled_from([{"client-state-dir": "/state"}, {"worker": "resident"}]),
+)
+@example("runs/..", {"client-state-dir": "/state"})
+def test_the_server_names_a_run_but_never_places_a_clients_state(run_dir, node_config):
+    """Whatever ``run-dir`` a train message holds, a deployed client's state folder is inside its
+    own state root (``client-state-dir``, or the host's cache), or the message is refused."""
+    import os
+    from pathlib import Path
+
+    from client_app.client_state import client_state_dir
+    from fedopd.sandbox.tiny import cache_root
+
+    root = Path("/state") if "client-state-dir" in node_config else cache_root() / "client-state"
+    try:
+        folder = client_state_dir({"run-dir": run_dir}, node_config, 1)
+    except ValueError as err:
+        assert str(err).startswith("train message: 'run-dir'")
+        return
+    if folder is not None:
+        assert Path(os.path.normpath(folder)).parent.parent == root and folder.name == "partition-1"
+
+
+def test_a_run_dir_that_would_leave_the_state_root_is_refused():
+    from client_app.client_state import client_state_dir
+
+    for bad in ("runs/..", "/tmp/.hidden", "runs/x y", "runs/" + "a" * 129):
+        with pytest.raises(ValueError, match="not a run folder's name"):
+            client_state_dir({"run-dir": bad}, {"client-state-dir": "/state"}, 1)
+    assert (
+        str(client_state_dir({"run-dir": "/srv/runs/20261127-101500-fedtops"}, {"client-state-dir": "/state"}, 1))
+        == "/state/20261127-101500-fedtops/partition-1"
+    )
