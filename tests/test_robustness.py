@@ -620,3 +620,24 @@ def test_an_average_that_is_not_finite_holds_the_round_and_says_so():
     record = new.records[1]
     assert record["multiplier"] == 0.0 and record["hold-reason"] == "the averaged adapter is not finite"
     assert len(record["clients"]) == 3 and not any(m.metadata.message_type == "query.score" for m in grid.sent)
+
+
+@hypothesis_settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(
+    st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=8),
+    st.integers(0, 6),
+    st.floats(1.0, 10.0),
+    st.floats(0.0, 1e-9),
+)
+def test_a_minority_of_zero_or_tiny_updates_cannot_shrink_the_honest_ones(honest, zeros, c, tiny):
+    """clip-norm's breakdown point: with fewer than half the updates zero or tiny, every honest
+    update keeps at least the smallest honest norm (c >= 1); with exactly half, the bar is theirs."""
+    from fedtops_strategy.bounds import clip_scales
+
+    norms = honest + [tiny] * zeros
+    scales = clip_scales(norms, c)
+    kept = [s * h for s, h in zip(scales, honest)]
+    if 2 * zeros < len(norms):
+        assert min(kept) >= min(honest) * (1 - 1e-12)
+    elif 2 * zeros == len(norms):
+        assert min(kept) <= c * tiny * (1 + 1e-12)  # half: the lower median is a tiny norm
