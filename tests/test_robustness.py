@@ -641,3 +641,28 @@ def test_a_minority_of_zero_or_tiny_updates_cannot_shrink_the_honest_ones(honest
         assert min(kept) >= min(honest) * (1 - 1e-12)
     elif 2 * zeros == len(norms):
         assert min(kept) <= c * tiny * (1 + 1e-12)  # half: the lower median is a tiny norm
+
+
+CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+HONEST_J = [0.5, 0.4, 0.3, 0.35, 0.45, 0.6]  # honest clients agree: a = 2
+COLLUDING_J = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # colluders favour the largest candidate
+
+
+@pytest.mark.parametrize(
+    "aggregate, tolerated",
+    [("median", 2), ("trimmed-mean", 1)],  # of n = 5: median f < n/2; trimmed mean β = 0.2: f <= ⌊β n⌋ = 1
+)
+def test_robust_teacher_scores_hold_up_to_their_stated_number_of_colluders_and_not_one_more(aggregate, tolerated):
+    """n = 5 clients, every candidate feasible: with f colluders reporting Ĵ = 0 at a = 10 and 1
+    elsewhere, Ĵ's median keeps the honest choice (a = 2) while f <= 2, its trimmed mean (β = 0.2)
+    while f <= 1; one more colluder and the largest candidate wins (docs/robustness.md). The mean
+    (the paper's) already gives way at f = 2: (3·0.6 + 2·0)/5 = 0.36 < (3·0.3 + 2·1)/5 = 0.58."""
+    from fedtops_strategy.selection import select_round
+
+    def chosen(f, how):
+        rows = [HONEST_J] * (5 - f) + [COLLUDING_J] * f
+        return select_round(CANDIDATES, rows, [[0.0] * 6] * 5, [1.0] * 5, 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2).multiplier
+
+    assert chosen(tolerated, aggregate) == 2.0
+    assert chosen(tolerated + 1, aggregate) == 10.0
+    assert chosen(2, "mean") == 10.0
