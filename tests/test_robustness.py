@@ -643,8 +643,8 @@ def test_a_minority_of_zero_or_tiny_updates_cannot_shrink_the_honest_ones(honest
         assert min(kept) <= c * tiny * (1 + 1e-12)  # half: the lower median is a tiny norm
 
 
-CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
-HONEST_J = [0.5, 0.4, 0.3, 0.35, 0.45, 0.6]  # honest clients agree: a = 2
+PAPER_CANDIDATES = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
+AGREEING_J = [0.5, 0.4, 0.3, 0.35, 0.45, 0.6]  # honest clients agree: a = 2
 COLLUDING_J = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # colluders favour the largest candidate
 
 
@@ -660,8 +660,10 @@ def test_robust_teacher_scores_hold_up_to_their_stated_number_of_colluders_and_n
     from fedtops_strategy.selection import select_round
 
     def chosen(f, how):
-        rows = [HONEST_J] * (5 - f) + [COLLUDING_J] * f
-        return select_round(CANDIDATES, rows, [[0.0] * 6] * 5, [1.0] * 5, 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2).multiplier
+        rows = [AGREEING_J] * (5 - f) + [COLLUDING_J] * f
+        return select_round(
+            PAPER_CANDIDATES, rows, [[0.0] * 6] * 5, [1.0] * 5, 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2
+        ).multiplier
 
     assert chosen(tolerated, aggregate) == 2.0
     assert chosen(tolerated + 1, aggregate) == 10.0
