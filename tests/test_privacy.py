@@ -1091,3 +1091,41 @@ def test_a_private_run_has_its_journal_from_the_start(tmp_path):
     assert (tmp_path / JOURNAL).is_file() and strategy.privacy.ledger.journal == tmp_path / JOURNAL
     NoPrivacy().open(tmp_path / "plain")
     assert not (tmp_path / "plain").exists()
+
+
+def test_a_phase_lasts_its_deadline_when_an_asked_client_is_silent_and_ends_at_the_last_reply_otherwise():
+    """The timing side channel docs/privacy.md states (not covered by the guarantee): a client that
+    gets the next round's message sees from the round's length whether every client answered.
+    On the server's grid: when all answer, a phase with a 5 s deadline ends before it; when one is
+    silent, a phase with a 0.5 s deadline lasts at least that."""
+    import time
+
+    from server_app.grid import PromptGrid
+
+    class Inner:
+        """Replies at once for every node except ``silent``."""
+
+        def __init__(self, silent):
+            self.silent, self.replies = silent, []
+
+        def push_messages(self, messages):
+            ids = []
+            for i, m in enumerate(messages):
+                m.metadata.__dict__["_message_id"] = f"m{i}"
+                ids.append(f"m{i}")
+                if m.metadata.dst_node_id not in self.silent:
+                    self.replies.append(message(RecordDict(), "train", src=m.metadata.dst_node_id, message_id=f"r{i}", reply_to=f"m{i}"))
+            return ids
+
+        def pull_messages(self, ids):
+            out, self.replies = self.replies, []
+            return out
+
+    def phase_seconds(silent, timeout):
+        grid = PromptGrid(Inner(silent))
+        started = time.monotonic()
+        grid.send_and_receive([Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 3)], timeout=timeout)
+        return time.monotonic() - started
+
+    assert phase_seconds(silent=(), timeout=5.0) < 5.0
+    assert phase_seconds(silent=(3,), timeout=0.5) >= 0.5
