@@ -187,8 +187,8 @@ class ScoreRequest:
         if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and a >= 0 for a in raw):
             raise ValueError("score query: 'candidates' holds a value that is not a finite number >= 0")
         server_round = config.get("server-round")
-        if not isinstance(server_round, int) or isinstance(server_round, bool):
-            raise ValueError("score query: 'server-round' is not an integer")
+        if not _integer_in(server_round, 1, None):
+            raise ValueError(f"score query: 'server-round' = {server_round!r}; allowed: an integer >= 1")
         return cls(server_round, tuple(float(a) for a in raw), bool(config.get("score-se", False)))
 
 

@@ -270,11 +270,11 @@ class ServerStrategy:
 
     # -- score (none here) and the step -----------------------------------------------------------
     def configure_score(self, train: TrainAggregate) -> list[Message] | None:
-        """The round's score query (None: this strategy has no score phase)."""
+        """The round's score query (None: this strategy has no score phase). A strategy whose
+        query is not None defines ``aggregate_score(train, sent, replies, started) -> ScoreRows``
+        (:class:`fedtops_strategy.fedtops.FedTOPS`); :func:`~fedtops_strategy.round.play_round`
+        calls it only then."""
         return None
-
-    def aggregate_score(self, train: TrainAggregate, sent: list[Message], replies: Iterable[Message], started: float) -> ScoreRows:
-        raise NotImplementedError(f"{type(self).__name__} has no score phase")
 
     @property
     def default_multiplier(self) -> float:

@@ -204,6 +204,7 @@ def play_round(
         started = time.perf_counter()
         replies = grid.send_and_receive(queries, timeout=score_timeout)
         scores = strategy.aggregate_score(train, queries, replies, started)
-        traffic.update({"score": meter()} if meter else {})
+        if meter:
+            traffic["score"] = meter()
     step = strategy.step(train, scores)
     return RoundResult(strategy.strategy_name, train, scores, step, traffic)

@@ -50,7 +50,7 @@ def reply_summary(msg, sent=None) -> str | None:
     for a node it lost comes from the SuperLink). None for a reply the boundary refuses (the
     phase's screening says why it is left out)."""
     try:
-        node = int((sent or msg).metadata.dst_node_id if sent is not None else msg.metadata.src_node_id)
+        node = int(sent.metadata.dst_node_id if sent is not None else msg.metadata.src_node_id)
     except (TypeError, ValueError, OverflowError):
         return None
     kind = msg.metadata.message_type
@@ -60,8 +60,8 @@ def reply_summary(msg, sent=None) -> str | None:
     reply = parse_progress(msg, node, Expected(num_candidates=MAX_LIST))
     if isinstance(reply, Rejection):
         return None
-    # the node from the metadata (the sender), the partition as the client claims it: a line
-    # cannot pass for another node's, whatever the reply holds (the boundary checks the claim)
+    # the node from the metadata (the message it answers, else the sender), the partition as the
+    # client claims it: a line cannot pass for another node's, whatever the reply holds
     who, m = f"  node {node} client {reply.partition_id}", reply.metrics
     try:
         if kind == "train":
