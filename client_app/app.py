@@ -23,13 +23,17 @@ strategy's name (:mod:`client_app.handlers`).
 from __future__ import annotations
 
 import math
+import traceback
+from logging import ERROR
 
 from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, KEY_NORM_BIT
 
 from fedopd.config import parse_run_config
+from fedopd.core.errors import LocalError, public_reason
 
 app = ClientApp()
 
@@ -37,14 +41,18 @@ WORKER_MODES = ("in-process", "resident")
 
 
 def _partition(context: Context) -> tuple[int, int]:
-    try:
-        pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    except (KeyError, ValueError) as err:
-        raise ValueError(
-            "node config needs integer 'partition-id' and 'num-partitions' (e.g. flower-supernode --node-config \"partition-id=0 num-partitions=3\")"
-        ) from err
+    values = [context.node_config.get(k) for k in ("partition-id", "num-partitions")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) or isinstance(v, str) and v.isdigit() for v in values):
+        raise LocalError(
+            "node config needs integer 'partition-id' and 'num-partitions' (e.g. flower-supernode --node-config \"partition-id=0 num-partitions=3\")",
+            "node config 'partition-id', 'num-partitions'",
+            "missing or not integers",
+        )
+    pid, num = (int(v) for v in values)
     if not 0 <= pid < num:
-        raise ValueError(f"node config 'partition-id' = {pid} is not in [0, 'num-partitions' = {num})")
+        raise LocalError(
+            f"node config 'partition-id' = {pid} is not in [0, 'num-partitions' = {num})", "node config 'partition-id'", "not in [0, num-partitions)"
+        )
     return pid, num
 
 
@@ -52,23 +60,34 @@ def worker_mode(node_config) -> str:
     """Node config ``worker``: where the models live (default ``in-process``)."""
     mode = str(node_config.get("worker", "in-process"))
     if mode not in WORKER_MODES:
-        raise ValueError(f"node config 'worker' = {mode!r}; allowed: {', '.join(map(repr, WORKER_MODES))}")
+        raise LocalError(
+            f"node config 'worker' = {mode!r}; allowed: {', '.join(map(repr, WORKER_MODES))}", "node config 'worker'", "not a worker mode"
+        )
     return mode
 
 
 def handle(kind: str, msg: Message, context: Context) -> Message:
-    """Run the ``kind`` handler (``train``, ``score``, ``evaluate``) for ``msg`` and reply."""
-    pid, num = _partition(context)
-    if worker_mode(context.node_config) == "resident":
-        from client_app.resident import call_resident
+    """Run the ``kind`` handler (``train``, ``score``, ``evaluate``) for ``msg`` and reply.
 
-        content, state = call_resident(kind, msg.content, context.state, pid, num, dict(context.run_config), context.node_config)
-        _replace_state(context.state, state)
-    else:
-        from client_app.handlers import HANDLERS
+    A handler that raises becomes an error reply whose reason is
+    :func:`~fedopd.core.errors.public_reason`'s: the text of an error about the message itself,
+    the key and kind of one about the node's own files or settings, the type of any other. The
+    full error, which may quote the node's paths, columns or rows, goes to this node's log only."""
+    try:
+        pid, num = _partition(context)
+        if worker_mode(context.node_config) == "resident":
+            from client_app.resident import call_resident
 
-        cfg = parse_run_config(context.run_config)
-        content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config)
+            content, state = call_resident(kind, msg.content, context.state, pid, num, dict(context.run_config), context.node_config, context.run_id)
+            _replace_state(context.state, state)
+        else:
+            from client_app.handlers import HANDLERS
+
+            cfg = parse_run_config(context.run_config)
+            content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config, context.run_id)
+    except Exception as err:  # noqa: BLE001 - every failure is a reply; its details stay here
+        log(ERROR, "%s failed on this node: %s", kind, "".join(traceback.format_exception(err)).rstrip())
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=public_reason(err, kind)), reply_to=msg)
     return Message(content=content, reply_to=msg)
 
 

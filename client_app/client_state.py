@@ -5,17 +5,19 @@ else: its optimizer state (AdamW moments and step counts, with ``train.optimizer
 'persistent'``) and, for Local, its own adapter. The schedule position and the prompt order are
 functions of the round number and need no saving. Nothing here travels to the server.
 
-Folder: ``<client-state-dir>/<run name>/partition-<i>/round-NNN/`` with node config
-``client-state-dir``; without it, on a SuperNode with a resident worker (deployment)
-``$FEDTOPS_CACHE/client-state/`` (default ``~/.cache/fedtops/client-state/``) in its place, and in
-simulation ``<run folder>.clients/partition-<i>/round-NNN/`` beside the run folder (server and
-clients share a file system there). The last two rounds are
-kept: a stop during round t+1 may leave that round's state behind, and the resumed run needs t's.
+Folder, on a SuperNode: ``<client-state-dir>/run-<run id>/partition-<i>/round-NNN/``, with the run
+id the SuperLink assigned and node config ``client-state-dir`` (without it, on a resident worker,
+``$FEDTOPS_CACHE/client-state/``, default ``~/.cache/fedtops/client-state/``). Nothing the server
+sends names or places it: two federations on one host, or two runs, never share a folder. In
+simulation (server and clients share a file system): ``<run folder>.clients/partition-<i>/round-NNN/``
+beside the run folder. The last two rounds are kept: a stop during round t+1 may leave that
+round's state behind, and the resumed run needs t's.
 
 A client restores it whenever it trains without state of its own (no ``meta`` in
 ``context.state``) in a round > 1: the first round of a resumed run, a client that joins after
 it, or one that comes back with an empty ``context.state``. It continues from its latest saved
-round before the current one.
+round before the current one: this run's, else (a SuperNode in the first round of a resumed run)
+that of the run the server resumes, whose run id the train config's ``resume-run`` gives.
 """
 
 from __future__ import annotations
@@ -29,33 +31,53 @@ from typing import Any
 
 import numpy as np
 
+from fedopd.core.errors import LocalError, RequestError
+
 OPTIMIZER_FILE, ADAPTER_FILE = "optimizer.safetensors", "adapter.safetensors"
 KEEP = 2
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # a run folder's name, as new_run_dir makes them
+MAX_RUN_ID = (1 << 64) - 1  # Flower's run ids are unsigned 64-bit integers
 
 
-def client_state_dir(config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str) -> Path | None:
-    """Where this client's per-round state goes; None when the server named no run folder.
-
-    The server's ``run-dir`` only names the run (its last part, a run folder's name: letters,
-    digits, ``.``, ``_``, ``-``, not starting with a dot): under ``client-state-dir`` or the
-    host's cache, nothing the server sends can place the state, or its clean-up, elsewhere."""
-    run_dir = config.get("run-dir")
-    if not run_dir:
-        return None
-    run = Path(str(run_dir))
-    if not RUN_NAME.match(run.name):
-        raise ValueError(f"train message: 'run-dir' ends in {run.name[:40]!r}, which is not a run folder's name (letters, digits, '.', '_', '-')")
+def node_state_root(node_config: Mapping[str, Any]) -> Path | None:
+    """The node's own root for client state: node config ``client-state-dir``, else on a resident
+    worker (deployment) the host's cache; None in simulation (the state goes beside the run folder)."""
     base = node_config.get("client-state-dir")
     if not base and node_config.get("worker") == "resident":
         # A SuperNode host need not see the server's file system: keep it in the host's cache.
         from fedopd.sandbox.tiny import cache_root
 
         base = cache_root() / "client-state"
-    root = Path(str(base)).expanduser() / run.name if base else run.parent / f"{run.name}.clients"
-    return root / f"partition-{partition_id}"
+    return Path(str(base)).expanduser() if base else None
+
+
+def client_state_dir(
+    config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str, run_id: int = 0, *, resume: bool = False
+) -> Path | None:
+    """Where this client's per-round state goes; None when the server asked for none (no ``run-dir``).
+
+    On a node with a state root of its own (:func:`node_state_root`: a SuperNode) the folder is
+    keyed by the run id the SuperLink assigned (``run-<id>``), never by a name the server sends;
+    ``resume``: the folder of the run the server resumes (the train config's ``resume-run``, a
+    run id: under the same root, so a server can point only at a run of this node's).
+    In simulation (server and clients on one file system) it is beside the server's run folder,
+    named by the folder's last part (a run folder's name: letters, digits, ``.``, ``_``, ``-``)."""
+    run_dir = config.get("run-dir")
+    if not run_dir:
+        return None
+    root = node_state_root(node_config)
+    if root is not None:
+        if resume:
+            run_id = config.get("resume-run")
+            if not (isinstance(run_id, int) and not isinstance(run_id, bool) and 0 <= run_id <= MAX_RUN_ID):
+                raise RequestError(f"train message: 'resume-run' = {run_id!r}; allowed: a run id, an integer in [0, 2**64)")
+        return root / f"run-{int(run_id)}" / f"partition-{partition_id}"
+    run = Path(str(run_dir))
+    if not RUN_NAME.match(run.name):
+        raise RequestError(f"train message: 'run-dir' ends in {run.name[:40]!r}, which is not a run folder's name (letters, digits, '.', '_', '-')")
+    return run.parent / f"{run.name}.clients" / f"partition-{partition_id}"
 
 
 def _round_dirs(folder: Path) -> dict[int, Path]:
@@ -97,7 +119,7 @@ def load_round_state(folder: Path | None, server_round: int) -> tuple[dict[str, 
     rounds = [r for r in _round_dirs(folder) if r <= server_round] if folder is not None else []
     if not rounds:
         where = folder if folder is not None else "(no client state folder: the server named no run folder)"
-        raise FileNotFoundError(f"resume: no client state of round <= {server_round} in {where}")
+        raise LocalError(f"resume: no client state of round <= {server_round} in {where}", "client state", f"none saved of round <= {server_round}")
     path = _round_dirs(folder)[max(rounds)]
     optimizer = load_file(str(path / OPTIMIZER_FILE)) if (path / OPTIMIZER_FILE).exists() else None
     adapter = load_file(str(path / ADAPTER_FILE)) if (path / ADAPTER_FILE).exists() else None

@@ -30,7 +30,9 @@ from flwr.common.logger import log
 from client_app import worker
 from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, save_round_state
 from fedopd.config import RunConfig
+from fedopd.core.errors import RequestError
 from fedopd.core.procinfo import rss_mb
+from fedopd.data.node_data import NodeData, check_server_named_files
 from fedopd.distill.cache import ScoringCache
 from fedopd.engine.round import CACHE_SOURCES, RoundPlan, derive_seed, evaluate_heldout, score_round, train_round
 from fedopd.models.lora import check_compatible, from_record
@@ -67,16 +69,16 @@ class TrainRequest:
         None: unbounded), a known learner and scoring-cache source."""
         learner = str(config.get("learner", cls.learner))
         if learner not in LEARNERS:
-            raise ValueError(f"train message: 'learner' = {learner!r}; allowed: {', '.join(map(repr, LEARNERS))}")
+            raise RequestError(f"train message: 'learner' = {learner!r}; allowed: {', '.join(map(repr, LEARNERS))}")
         pooled = config.get("pooled-clients", 0)
         if not _integer_in(pooled, 0, num_partitions):
-            raise ValueError(f"train message: 'pooled-clients' = {pooled!r}; allowed: an integer in [0, {num_partitions or '∞'}]")
+            raise RequestError(f"train message: 'pooled-clients' = {pooled!r}; allowed: an integer in [0, {num_partitions or '∞'}]")
         source = str(config.get("scoring-cache", cls.scoring_cache))
         if source not in CACHE_SOURCES:
-            raise ValueError(f"train message: 'scoring-cache' = {source!r}; allowed: {', '.join(map(repr, CACHE_SOURCES))}")
+            raise RequestError(f"train message: 'scoring-cache' = {source!r}; allowed: {', '.join(map(repr, CACHE_SOURCES))}")
         server_round = config.get("server-round")
         if not _integer_in(server_round, 1, num_rounds):
-            raise ValueError(f"train message: 'server-round' = {server_round!r}; allowed: an integer in [1, {num_rounds or '∞'}]")
+            raise RequestError(f"train message: 'server-round' = {server_round!r}; allowed: an integer in [1, {num_rounds or '∞'}]")
         return cls(int(server_round), learner, bool(config.get("build-scoring-cache", cls.build_scoring_cache)), int(pooled), source)
 
     @property
@@ -95,11 +97,47 @@ def learner_seed(seed: int, partition_id: int, num_partitions: int, *, pooled: b
     return derive_seed(seed, num_partitions if pooled else partition_id)
 
 
-def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
-    config = content["config"]
+def _part(content: RecordDict, name: str, kind: type, message: str):
+    """The message's record ``name``, which must be a ``kind`` (a :class:`RequestError` if not)."""
+    record = content.get(name) if hasattr(content, "get") else None
+    if not isinstance(record, kind):
+        raise RequestError(f"{message}: no {kind.__name__} '{name}' (the message holds {', '.join(map(repr, list(content.keys())[:8]))})")
+    return record
+
+
+def _adapter(content: RecordDict, name: str, models, message: str) -> dict:
+    """The message's adapter ``name``: this student's LoRA factors, by name and shape, all finite."""
+    arrays = from_record(_part(content, name, ArrayRecord, message))
+    problem = check_compatible(models.student.get_lora_arrays(), arrays)
+    if problem:
+        raise RequestError(f"{message}: '{name}' does not fit this run's adapter: {problem}")
+    return arrays
+
+
+def own_data(node_config: Mapping[str, Any] | None) -> NodeData | None:
+    """The node's own data (node config ``data-path``), or None; without it, a deployment node
+    refuses a local file that the run config names (:mod:`fedopd.data.node_data`)."""
+    return NodeData.from_node_config(node_config or {})
+
+
+def _check_data(cfg: RunConfig, node: NodeData | None, node_config: Mapping[str, Any] | None) -> None:
+    if node is None:
+        check_server_named_files(cfg.data, deployment=(node_config or {}).get("worker") == "resident")
+
+
+def train(
+    content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None, run_id: int = 0
+) -> RecordDict:
+    config = _part(content, "config", ConfigRecord, "train message")
     request = TrainRequest.from_config(config, num_partitions=num, num_rounds=cfg.num_server_rounds)
     server_round = request.server_round
-    models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled)
+    node = own_data(node_config)
+    if node is not None and request.pooled:
+        raise RequestError(
+            "train message: 'learner' = 'centralized' pools every partition's prompts; a node with its own data (node config 'data-path') holds only its own"
+        )
+    _check_data(cfg, node, node_config)
+    models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled, node=node)
     plan = RoundPlan.from_config(
         cfg,
         server_round,
@@ -108,15 +146,18 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
         build_cache=request.build_scoring_cache,
         cache_source=request.scoring_cache,
     )
-    theta = from_record(content["arrays"])
+    theta = _adapter(content, "arrays", models, "train message")
     # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
     # may number differently: its state is the learner's, not a partition's.
-    folder = client_state_dir(config, node_config or {}, "central" if request.pooled else pid)
+    folder = client_state_dir(config, node_config or {}, "central" if request.pooled else pid, run_id)
     persistent = cfg.train.optimizer_state == "persistent"
     local = request.learner == "local"
 
     if META not in state and server_round > 1 and (persistent or local):
-        theta = restore_saved_state(state, folder, config, server_round, pid, persistent=persistent, local=local, theta=theta)
+        who = "central" if request.pooled else pid
+        theta = restore_saved_state(
+            state, folder, config, server_round, pid, persistent=persistent, local=local, theta=theta, node_config=node_config or {}, who=who
+        )
     optimizer_state = {k: v.numpy() for k, v in state[OPTIMIZER].items()} if persistent and OPTIMIZER in state else None
 
     out = train_round(models, theta, prompts, plan, optimizer_state=optimizer_state, progress=lambda text: log(INFO, "client %d %s", pid, text))
@@ -144,7 +185,19 @@ def train(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     return RecordDict({"arrays": ArrayRecord({k: Array(a) for k, a in out.arrays.items()}), "metrics": metrics})
 
 
-def restore_saved_state(state: RecordDict, folder, config, server_round: int, pid: int, *, persistent: bool, local: bool, theta):
+def restore_saved_state(
+    state: RecordDict,
+    folder,
+    config,
+    server_round: int,
+    pid: int,
+    *,
+    persistent: bool,
+    local: bool,
+    theta,
+    node_config: Mapping[str, Any],
+    who: int | str,
+):
     """A client with no state of its own in round ``server_round`` > 1 (the first round of a
     resumed run, a client that joins later, or one back with an empty ``context.state``):
     continue from its own latest saved round before this one (its optimizer, and for Local its
@@ -154,9 +207,12 @@ def restore_saved_state(state: RecordDict, folder, config, server_round: int, pi
     else a client new to the run, which starts fresh.
     """
     restored = latest_saved_round(folder, server_round - 1)
+    if restored is None and "resume-run" in config:  # a SuperNode: the resumed run's state is under its own run id
+        folder = client_state_dir(config, node_config, who, resume=True)
+        restored = latest_saved_round(folder, server_round - 1)
     if restored is None:
         if "resume-round" in config:
-            load_round_state(folder, int(config["resume-round"]))  # raises: no client state of that round
+            load_round_state(folder, server_round - 1)  # raises: no client state of the round the run resumes after
         log(INFO, "client %d: no saved state before round %d; a client new to this run starts fresh", pid, server_round)
         return theta
     saved_optimizer, own_adapter = load_round_state(folder, restored)
@@ -183,31 +239,31 @@ class ScoreRequest:
         raw = config.get("candidates")
         if not isinstance(raw, (list, tuple)) or not 1 <= len(raw) <= MAX_CANDIDATES:
             size = len(raw) if isinstance(raw, (list, tuple)) else type(raw).__name__
-            raise ValueError(f"score query: 'candidates' holds {size}; allowed: a list of 1 to {MAX_CANDIDATES} numbers")
+            raise RequestError(f"score query: 'candidates' holds {size}; allowed: a list of 1 to {MAX_CANDIDATES} numbers")
         if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) and a >= 0 for a in raw):
-            raise ValueError("score query: 'candidates' holds a value that is not a finite number >= 0")
+            raise RequestError("score query: 'candidates' holds a value that is not a finite number >= 0")
         server_round = config.get("server-round")
         if not _integer_in(server_round, 1, None):
-            raise ValueError(f"score query: 'server-round' = {server_round!r}; allowed: an integer >= 1")
+            raise RequestError(f"score query: 'server-round' = {server_round!r}; allowed: an integer >= 1")
         return cls(server_round, tuple(float(a) for a in raw), bool(config.get("score-se", False)))
 
 
-def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
+def score(
+    content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None, run_id: int = 0
+) -> RecordDict:
     """Ĵ_i(a) and K̂_i(a) for the candidates on this round's scoring cache: at most one score
     query per round trained (a second could make the client score any number of increments)."""
-    request = ScoreRequest.from_config(content["config"])
+    request = ScoreRequest.from_config(_part(content, "config", ConfigRecord, "score query"))
     server_round = request.server_round
     if CACHE not in state or int(state[META]["server-round"]) != server_round:
-        raise RuntimeError(f"score query for round {server_round}, but this client has no scoring cache of that round")
+        raise RequestError(f"score query for round {server_round}, but this client has no scoring cache of that round")
     if state[META].get(SCORED, False):
-        raise RuntimeError(f"score query for round {server_round}, which this client has already answered")
-    models, prompts = worker.setup(cfg, pid, num)
+        raise RequestError(f"score query for round {server_round}, which this client has already answered")
+    node = own_data(node_config)
+    models, prompts = worker.setup(cfg, pid, num, node=node)
 
     theta = from_record(state[THETA])
-    delta = from_record(content["increment"])
-    problem = check_compatible(theta, delta)
-    if problem:
-        raise ValueError(f"score query: the increment does not fit the adapter: {problem}")
+    delta = _adapter(content, "increment", models, "score query")
     cache = ScoringCache.from_arrays({k: v.numpy() for k, v in state[CACHE].items()})
     started = time.perf_counter()
     scores = score_round(models, theta, delta, cache, list(request.candidates), with_se=request.with_se)
@@ -227,10 +283,17 @@ def score(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunCo
     return RecordDict({"scores": metrics})
 
 
-def evaluate(content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None) -> RecordDict:
-    models, prompts = worker.setup_heldout(cfg, pid, num)
-    server_round = int(content["config"]["server-round"])
-    theta = from_record(content["arrays"])
+def evaluate(
+    content: RecordDict, state: RecordDict, pid: int, num: int, cfg: RunConfig, node_config: Mapping[str, Any] | None = None, run_id: int = 0
+) -> RecordDict:
+    config = _part(content, "config", ConfigRecord, "evaluate message")
+    server_round = config.get("server-round")
+    if not _integer_in(server_round, 0, cfg.num_server_rounds):
+        raise RequestError(f"evaluate message: 'server-round' = {server_round!r}; allowed: an integer in [0, {cfg.num_server_rounds}]")
+    node = own_data(node_config)
+    _check_data(cfg, node, node_config)
+    models, prompts = worker.setup_heldout(cfg, pid, num, node=node)
+    theta = _adapter(content, "arrays", models, "evaluate message")
     metrics = evaluate_heldout(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, pid, server_round, 3))
     return RecordDict({"metrics": MetricRecord({**metrics, "num-examples": len(prompts), "partition-id": pid})})
 

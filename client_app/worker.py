@@ -20,7 +20,9 @@ from logging import INFO
 from flwr.common.logger import log
 
 from fedopd.config import LoraSettings, ModelSettings, RunConfig
+from fedopd.core.errors import LocalError
 from fedopd.data import Prompt, encode_prompts, heldout_rows, partition_rows
+from fedopd.data.node_data import NodeData, in_node_terms
 from fedopd.engine.round import ClientModels, load_client_models
 from fedopd.models.positions import needed_positions
 from fedopd.models.vocab import ModelFiles, eos_conventions
@@ -101,34 +103,63 @@ def _models(cfg: RunConfig) -> ClientModels:
     return worker_models(cfg.model, cfg.lora, r.backend, max_len, r.gpu_memory_utilization, r.stop_tokens, run_max_num_seqs(cfg))
 
 
-def _encoded(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int) -> tuple[Prompt, ...]:
+def _encoded(
+    cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int, node: NodeData | None = None
+) -> tuple[Prompt, ...]:
     held_out = cfg.eval.prompts_per_client if kind == "heldout" else None
     # The partition, the prompt pool and the held-out problems depend on data.seed (cfg.data), never
     # on the training seed: runs with seeds 0, 1, 2 differ only in training randomness.
-    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.model.student)
+    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.model.student, node)
     if key not in _PROMPTS:
-        if kind == "train":
-            rows = partition_rows(cfg.data, partition_id, num_partitions)
-        else:
-            rows = heldout_rows(cfg.data, partition_id, num_partitions, cfg.eval.prompts_per_client)
-        source = f"{kind} prompts of client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"
-        _PROMPTS[key] = tuple(encode_prompts(models.student.tokenizer, rows, cfg.data.max_prompt_tokens, source=source))
+        _PROMPTS[key] = _load(cfg, models, kind, partition_id, num_partitions, node)
     return _PROMPTS[key]
 
 
-def setup(cfg: RunConfig, partition_id: int, num_partitions: int, *, pooled: bool = False) -> tuple[ClientModels, tuple[Prompt, ...]]:
+def node_rows(cfg: RunConfig, kind: str, partition_id: int, num_partitions: int, node: NodeData | None = None) -> list[dict]:
+    """This client's ``kind`` (``train``, ``heldout``) rows: a node with data of its own (node
+    config ``data-path``) reads it as the one partition of its own set; any other reads partition
+    ``partition_id`` of the run config's set. Any failure is a :class:`LocalError` naming the key."""
+    data = cfg.data
+    if node is not None:
+        data, partition_id, num_partitions = node.settings(cfg.data), 0, 1
+    try:
+        if kind == "train":
+            return partition_rows(data, partition_id, num_partitions)
+        return heldout_rows(data, partition_id, num_partitions, cfg.eval.prompts_per_client)
+    except LocalError as err:
+        raise (in_node_terms(err) if node is not None else err) from err
+    except Exception as err:  # noqa: BLE001 - any other failure on the node's rows: its text may quote them
+        where = "node config 'data-path'" if node is not None else "the run config's data.* keys"
+        raise LocalError(
+            f"{kind} prompts: {type(err).__name__}: {err}", where, f"its {kind} prompts could not be loaded ({type(err).__name__})"
+        ) from err
+
+
+def _load(cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int, node: NodeData | None) -> tuple[Prompt, ...]:
+    rows = node_rows(cfg, kind, partition_id, num_partitions, node)
+    source = "this node's own" if node is not None else f"client partition {partition_id} of {num_partitions} ('{cfg.data.name}')"
+    try:
+        return tuple(encode_prompts(models.student.tokenizer, rows, cfg.data.max_prompt_tokens, source=f"{kind} prompts of {source}"))
+    except ValueError as err:  # e.g. no prompt fits data.max-prompt-tokens: the text may quote the rows
+        raise LocalError(str(err), "data.max-prompt-tokens", f"its {kind} prompts could not be encoded") from err
+
+
+def setup(
+    cfg: RunConfig, partition_id: int, num_partitions: int, *, pooled: bool = False, node: NodeData | None = None
+) -> tuple[ClientModels, tuple[Prompt, ...]]:
     """The worker's models and this client's tokenized training prompts, loaded once per process.
 
     ``pooled`` (the Centralized learner, ``learner = 'centralized'`` in its train message): the
-    prompts of every partition, in partition order.
+    prompts of every partition, in partition order. ``node``: the node's own data
+    (:class:`~fedopd.data.node_data.NodeData`), in place of its partition of the run's set.
     """
     models = _models(cfg)
     if pooled:
         return models, sum((_encoded(cfg, models, "train", i, num_partitions) for i in range(num_partitions)), ())
-    return models, _encoded(cfg, models, "train", partition_id, num_partitions)
+    return models, _encoded(cfg, models, "train", partition_id, num_partitions, node)
 
 
-def setup_heldout(cfg: RunConfig, partition_id: int, num_partitions: int) -> tuple[ClientModels, tuple[Prompt, ...]]:
+def setup_heldout(cfg: RunConfig, partition_id: int, num_partitions: int, node: NodeData | None = None) -> tuple[ClientModels, tuple[Prompt, ...]]:
     """The worker's models and this client's tokenized held-out prompts."""
     models = _models(cfg)
-    return models, _encoded(cfg, models, "heldout", partition_id, num_partitions)
+    return models, _encoded(cfg, models, "heldout", partition_id, num_partitions, node)

@@ -81,7 +81,7 @@ def check_connected(cfg: RunConfig, connected: int) -> None:
         ) from None
 
 
-def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None, privacy: NoPrivacy) -> tuple[RunFolder, int]:
+def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None, privacy: NoPrivacy, flower_run_id: int = 0) -> tuple[RunFolder, int]:
     """(the run folder of ``resume-from``, its last complete round), checked before anything changes.
 
     The folder must hold a run whose resolved config equals this one except for
@@ -108,7 +108,7 @@ def open_resumed_run(cfg: RunConfig, lora_config, resolved: dict | None, privacy
         raise ConfigError(
             f"run config 'resume-from' = {cfg.resume_from!r}: the run already completed its {done} rounds; raise 'num-server-rounds' to continue it"
         )
-    run = RunFolder(path, cfg, lora_config, resolved)
+    run = RunFolder(path, cfg, lora_config, resolved, flower_run_id=flower_run_id, first_round=done + 1)
     return run, done
 
 
@@ -158,13 +158,13 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     resolved = {"rollout.stop-tokens": stop.as_record(), **engine_settings(cfg)}
     arrays, lora_config = initial_adapter(cfg)
     if cfg.resume_from:
-        run, done = open_resumed_run(cfg, lora_config, resolved, privacy)
+        run, done = open_resumed_run(cfg, lora_config, resolved, privacy, flower_run_id(grid))
         if done > 0 and not supports.per_client_adapters:  # Local's global adapter stays the initial one
             arrays = load_adapter(run.adapter_dir(done), names=list(arrays))
         privacy.resume(run.path, done)  # the privacy spent so far, and adaptive clipping's C
         log(INFO, "FedTOPS run folder: %s (resumed after round %d)", run.path.resolve(), done)
     else:
-        run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved), 0
+        run, done = RunFolder(new_run_dir(cfg.output_dir, cfg.strategy.name), cfg, lora_config, resolved, flower_run_id=flower_run_id(grid)), 0
         log(INFO, "FedTOPS run folder: %s", run.path.resolve())
         run.save_adapter(0, arrays)
     privacy.open(run.path)
@@ -299,11 +299,21 @@ def _run_rounds(grid: PromptGrid, cfg: RunConfig, strategy, privacy: NoPrivacy, 
 
 def round_config(run: RunFolder, server_round: int, done: int) -> ConfigRecord:
     """The train messages' config from the app: the run folder, and on the first round of a
-    resumed run the round whose state the clients restore (``resume-round``)."""
+    resumed run the round whose state the clients restore (``resume-round``) and, for SuperNodes,
+    which keep their state by the SuperLink's run id, the run id that played it (``resume-run``)."""
     config = ConfigRecord({"run-dir": str(run.path.resolve())})
     if server_round == done + 1 and done > 0:
         config["resume-round"] = done
+        previous = run.flower_run_of(done)
+        if previous is not None:  # a SuperNode keeps its state under the run id that saved it
+            config["resume-run"] = previous
     return config
+
+
+def flower_run_id(grid: Grid) -> int:
+    """The run id the SuperLink assigned to this run (0 where the grid has none)."""
+    run_id = getattr(getattr(grid, "run", None), "run_id", 0)
+    return run_id if isinstance(run_id, int) else 0
 
 
 def _finish(run: RunFolder, cfg: RunConfig, started_run: float) -> None:

@@ -29,7 +29,11 @@ FIRST_NODE_ID = 1001
 class InProcessGrid(Grid):
     """``num_nodes`` logical clients (partition ``i`` of ``num_nodes``) served by ``client_app``."""
 
-    def __init__(self, client_app, run_config: Mapping[str, Any], num_nodes: int, run_id: int = 1) -> None:
+    def __init__(
+        self, client_app, run_config: Mapping[str, Any], num_nodes: int, run_id: int = 1, node_configs: Mapping[int, Mapping[str, Any]] | None = None
+    ) -> None:
+        """``node_configs``: node config keys of partition ``i`` beside ``partition-id`` and
+        ``num-partitions`` (a SuperNode's own, e.g. its ``data-path``)."""
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self.client_app = client_app
@@ -38,7 +42,7 @@ class InProcessGrid(Grid):
             FIRST_NODE_ID + i: Context(
                 run_id=run_id,
                 node_id=FIRST_NODE_ID + i,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config={**(node_configs or {}).get(i, {}), "partition-id": i, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )
@@ -53,7 +57,10 @@ class InProcessGrid(Grid):
 
     @property
     def run(self):
-        return self._run
+        """The run set with :meth:`set_run`, else one with this grid's run id (as a SuperLink's)."""
+        from types import SimpleNamespace
+
+        return self._run if self._run is not None else SimpleNamespace(run_id=self.run_id)
 
     def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
@@ -105,13 +112,16 @@ def task_identity(run_id: int = 1) -> Iterator[None]:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
-def run_in_process(run_config: Mapping[str, Any], num_clients: int = 3) -> Path:
-    """One run of the app (``run_config`` validated, missing keys at the app's defaults); its run folder."""
+def run_in_process(
+    run_config: Mapping[str, Any], num_clients: int = 3, *, run_id: int = 1, node_configs: Mapping[int, Mapping[str, Any]] | None = None
+) -> Path:
+    """One run of the app (``run_config`` validated, missing keys at the app's defaults); its run
+    folder. ``run_id`` and ``node_configs``: as :class:`InProcessGrid` takes them."""
     from client_app.app import app as client_app
     from fedopd.config import parse_run_config
     from server_app.app import run_server
 
     cfg = parse_run_config(dict(run_config))
-    grid = InProcessGrid(client_app, cfg.to_run_config(), num_clients)
-    with task_identity():
+    grid = InProcessGrid(client_app, cfg.to_run_config(), num_clients, run_id, node_configs)
+    with task_identity(run_id):
         return run_server(grid, cfg)

@@ -110,14 +110,25 @@ def complete_rounds(path: Path) -> list[dict[str, Any]]:
 class RunFolder:
     """Writes one run's files as the run goes (a resumed run: appends to its folder)."""
 
-    def __init__(self, path: Path, cfg: RunConfig, lora_config, resolved: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, path: Path, cfg: RunConfig, lora_config, resolved: Mapping[str, Any] | None = None, *, flower_run_id: int = 0, first_round: int = 1
+    ) -> None:
         self.path = path
         self.lora_config = lora_config
+        # Which Flower run (the SuperLink's run id) played which rounds: a SuperNode keeps its
+        # state under that id, and a resumed run names the one whose state its clients restore.
+        earlier = read_status(path).get("flower-runs", []) if (path / STATUS).is_file() else []
+        self.flower_runs = [r for r in earlier if r[0] < first_round] + [[first_round, int(flower_run_id)]]
         self.private = cfg.privacy.clipping != "off"
         config = cfg.to_run_config()
         if resolved:  # what the run config resolved to on this run's models, e.g. the stop token ids
             config[RESOLVED] = dict(resolved)
         (path / "config.json").write_text(json.dumps(_jsonable(config), indent=2, sort_keys=True) + "\n")
+
+    def flower_run_of(self, server_round: int) -> int | None:
+        """The Flower run id that played ``server_round`` (None: before this folder recorded them)."""
+        ids = [run_id for first, run_id in self.flower_runs[:-1] if first <= server_round]
+        return ids[-1] if ids else None
 
     def adapter_dir(self, server_round: int, client: int | None = None) -> Path:
         """``round-NNN/`` (global adapter) or ``round-NNN/client-<partition-id>/`` (Local)."""
@@ -139,6 +150,7 @@ class RunFolder:
             state["rounds-done"] = read_status(self.path).get("rounds-done", 0)
         if error is not None:
             state["error"] = error
+        state["flower-runs"] = self.flower_runs
         tmp = self.path / f".{STATUS}.tmp"
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         os.replace(tmp, self.path / STATUS)

@@ -53,3 +53,12 @@ def initial_theta(cfg) -> dict[str, np.ndarray]:
     from server_app.app import initial_adapter
 
     return initial_adapter(cfg)[0]
+
+
+def fake_models(**factors: tuple[int, ...]):
+    """Stand-in client models for handler tests that replace the work: a student whose LoRA
+    factors (the shapes a message's adapter must have) are ``factors`` (default ``a``: (2,))."""
+    from types import SimpleNamespace
+
+    shapes = factors or {"a": (2,)}
+    return SimpleNamespace(student=SimpleNamespace(get_lora_arrays=lambda: {k: np.zeros(s, np.float32) for k, s in shapes.items()}))

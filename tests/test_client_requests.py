@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import client_app.handlers as handlers
 from client_app.handlers import CACHE, MAX_CANDIDATES, META, THETA, ScoreRequest
 from fedopd.config import parse_run_config
+from fedopd.core.errors import RequestError
 
 FIXED = settings(max_examples=200, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -56,7 +57,10 @@ def test_a_score_query_with_more_candidates_than_the_client_scores_is_refused():
 def test_a_client_answers_one_score_query_per_round_it_trained(monkeypatch):
     """A second query for the same round is refused before any work (no model is set up)."""
     calls = []
-    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (calls.append(pid), ["p"] * 4))
+    student = SimpleNamespace(get_lora_arrays=lambda: {"a": np.zeros(2, np.float32)})
+    monkeypatch.setattr(
+        handlers.worker, "setup", lambda cfg, pid, num, pooled=False, node=None: (calls.append(pid) or SimpleNamespace(student=student), ["p"] * 4)
+    )
     monkeypatch.setattr(handlers.ScoringCache, "from_arrays", staticmethod(lambda arrays: SimpleNamespace()))
     monkeypatch.setattr(
         handlers, "score_round", lambda models, theta, delta, cache, candidates, with_se=False: ([0.1] * len(candidates), [0.0] * len(candidates))
@@ -67,7 +71,7 @@ def test_a_client_answers_one_score_query_per_round_it_trained(monkeypatch):
     cfg = parse_run_config({})
     reply = handlers.score(query, state, 1, 2, cfg)
     assert list(reply["scores"]["teacher-scores"]) == [0.1, 0.1] and calls == [1]
-    with pytest.raises(RuntimeError, match="score query for round 3, which this client has already answered"):
+    with pytest.raises(RequestError, match="score query for round 3, which this client has already answered"):
         handlers.score(query, state, 1, 2, cfg)
     assert calls == [1]
     # the next round's train resets it: a new cache, a new query
@@ -107,14 +111,20 @@ def test_pooling_more_clients_than_partitions_or_a_round_past_the_run_is_refused
 
 @FIXED
 @given(
-    st.one_of(st.text(max_size=60), st.lists(st.sampled_from(["runs", "..", ".", "", "a-b", ".x", "/"]), max_size=4).map("/".join)),
+    st.dictionaries(
+        st.sampled_from(["run-dir", "resume-run", "resume-round"]),
+        st.one_of(st.text(max_size=60), st.integers(-(2**65), 2**65), st.booleans(), st.floats(allow_nan=True)),
+    ),
     st.sampled_from([{"client-state-dir": "/state"}, {"worker": "resident"}]),
+    st.integers(0, 2**64 - 1),
+    st.booleans(),
 )
-@example("runs/..", {"client-state-dir": "/state"})
-def test_the_server_names_a_run_but_never_places_a_clients_state(run_dir, node_config):
-    """Whatever ``run-dir`` a train message holds, a deployed client's state folder is inside its
-    own state root (``client-state-dir``, or the host's cache), or the message is refused."""
-    import os
+@example({"run-dir": "runs/..", "resume-run": 5}, {"client-state-dir": "/state"}, 7, True)
+def test_a_supernodes_state_folder_is_keyed_by_the_superlinks_run_id_whatever_the_message_says(config, node_config, run_id, resume):
+    """On a SuperNode (``client-state-dir``, or a resident worker's host cache) a client's state
+    folder is ``<root>/run-<id>/partition-<i>``: the run id the SuperLink assigned, or for a
+    resume the integer run id the message names, under the same root; the message's ``run-dir``
+    only switches the state on. Anything else is refused as a request error."""
     from pathlib import Path
 
     from client_app.client_state import client_state_dir
@@ -122,21 +132,21 @@ def test_the_server_names_a_run_but_never_places_a_clients_state(run_dir, node_c
 
     root = Path("/state") if "client-state-dir" in node_config else cache_root() / "client-state"
     try:
-        folder = client_state_dir({"run-dir": run_dir}, node_config, 1)
-    except ValueError as err:
-        assert str(err).startswith("train message: 'run-dir'")
+        folder = client_state_dir(config, node_config, 1, run_id, resume=resume)
+    except RequestError as err:
+        assert str(err).startswith("train message: 'resume-run'") and resume
         return
-    if folder is not None:
-        assert Path(os.path.normpath(folder)).parent.parent == root and folder.name == "partition-1"
+    if not config.get("run-dir"):
+        assert folder is None
+        return
+    named = config.get("resume-run") if resume else run_id
+    assert type(named) is int and folder == root / f"run-{named}" / "partition-1"
 
 
-def test_a_run_dir_that_would_leave_the_state_root_is_refused():
+def test_a_run_dir_that_would_leave_the_simulations_run_folder_is_refused():
     from client_app.client_state import client_state_dir
 
     for bad in ("runs/..", "/tmp/.hidden", "runs/x y", "runs/" + "a" * 129):
-        with pytest.raises(ValueError, match="not a run folder's name"):
-            client_state_dir({"run-dir": bad}, {"client-state-dir": "/state"}, 1)
-    assert (
-        str(client_state_dir({"run-dir": "/srv/runs/20261127-101500-fedtops"}, {"client-state-dir": "/state"}, 1))
-        == "/state/20261127-101500-fedtops/partition-1"
-    )
+        with pytest.raises(RequestError, match="not a run folder's name"):
+            client_state_dir({"run-dir": bad}, {}, 1)
+    assert str(client_state_dir({"run-dir": "/srv/runs/20261127-101500-fedtops"}, {}, 1)) == "/srv/runs/20261127-101500-fedtops.clients/partition-1"

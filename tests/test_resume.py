@@ -8,9 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from client_messages import fake_models
 from conftest import TINY_RUN
 
 from fedopd.config import ConfigError, parse_run_config
+from fedopd.core.errors import LocalError
 from server_app.run_folder import complete_rounds, config_mismatch
 from tests.golden.record import without_timings  # timings, process ids and bytes sent (they carry the run folder's path)
 
@@ -31,7 +33,7 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
 
 
-def _run_stopped_in_round(config: dict, stop_round: int) -> Path:
+def _run_stopped_in_round(config: dict, stop_round: int, run_id: int = 1, node_configs: dict | None = None) -> Path:
     """A run that stops (raises) during round ``stop_round``, after its clients trained and saved
     their state, before the server wrote the round; then a stop-torn tail is added: half a record
     line and the round's adapter folder, as a crash between the two writes leaves them."""
@@ -51,7 +53,7 @@ def _run_stopped_in_round(config: dict, stop_round: int) -> Path:
             return ids
 
     cfg = parse_run_config(config)
-    grid = StoppingGrid(app, cfg.to_run_config(), 3)
+    grid = StoppingGrid(app, cfg.to_run_config(), 3, run_id, node_configs)
     with pytest.raises(Stop):
         run_server(grid, cfg)
     [run] = [p.parent for p in Path(cfg.output_dir).glob("*/config.json")]
@@ -72,6 +74,10 @@ def test_a_run_stopped_in_round_three_and_resumed_equals_the_uninterrupted_run(t
     stopped = _run_stopped_in_round({**config, "output-dir": str(tmp_path / "stopped")}, 3)
     resumed = run_in_process({**config, "output-dir": str(tmp_path / "elsewhere"), "resume-from": str(stopped)})
 
+    _same_from_round_three(full, stopped, resumed, name)
+
+
+def _same_from_round_three(full: Path, stopped: Path, resumed: Path, name: str) -> None:
     assert resumed == stopped  # continued in the same folder
     assert without_timings(_records(resumed)) == without_timings(_records(full))
     for r in (3, 4):
@@ -80,6 +86,25 @@ def test_a_run_stopped_in_round_three_and_resumed_equals_the_uninterrupted_run(t
         assert len(adapters) == (3 if name == "local" else 1)
         for a in adapters:
             assert (resumed / a).read_bytes() == (full / a).read_bytes(), f"round {r}: {a} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("task_identity")
+def test_supernodes_resume_from_the_state_they_keep_under_the_superlinks_run_id(tmp_path):
+    """On SuperNodes (node config ``client-state-dir``) the state is kept under the run id the
+    SuperLink assigned; the resumed run (a new run id) continues from the stopped run's, which the
+    server names by its run id: Local, whose clients keep their own adapters, equals the
+    uninterrupted run, and no state folder is named after the run folder."""
+    from server_app.inprocess import run_in_process
+
+    config = {**BASE, **STRATEGIES["local"]}
+    nodes = {i: {"client-state-dir": str(tmp_path / f"host-{i}")} for i in range(3)}
+    full = run_in_process({**config, "output-dir": str(tmp_path / "full")}, run_id=10, node_configs=nodes)
+    stopped = _run_stopped_in_round({**config, "output-dir": str(tmp_path / "stopped")}, 3, run_id=11, node_configs=nodes)
+    resumed = run_in_process({**config, "output-dir": str(tmp_path / "elsewhere"), "resume-from": str(stopped)}, run_id=12, node_configs=nodes)
+    _same_from_round_three(full, stopped, resumed, "local")
+    assert sorted(p.name for p in (tmp_path / "host-1").iterdir()) == ["run-10", "run-11", "run-12"]
+    assert json.loads((stopped / "status.json").read_text())["flower-runs"] == [[1, 11], [3, 12]]
 
 
 def test_a_partial_last_line_and_the_folders_after_the_last_complete_round_are_removed(tmp_path):
@@ -131,8 +156,10 @@ def test_the_client_state_folder_is_beside_the_run_in_simulation_and_on_the_host
     monkeypatch.setenv("FEDTOPS_CACHE", str(tmp_path / "cache"))
     config = {"run-dir": "/data/runs/20261122-170102-fedtops"}
     assert client_state_dir(config, {}, 1) == Path("/data/runs/20261122-170102-fedtops.clients/partition-1")
-    assert client_state_dir(config, {"client-state-dir": "/state"}, 1) == Path("/state/20261122-170102-fedtops/partition-1")
-    assert client_state_dir(config, {"worker": "resident"}, 2) == tmp_path / "cache" / "client-state" / "20261122-170102-fedtops" / "partition-2"
+    assert client_state_dir(config, {"client-state-dir": "/state"}, 1, 77) == Path("/state/run-77/partition-1")
+    assert client_state_dir(config, {"worker": "resident"}, 2, 77) == tmp_path / "cache" / "client-state" / "run-77" / "partition-2"
+    resumed = {**config, "resume-run": 76}
+    assert client_state_dir(resumed, {"client-state-dir": "/state"}, 1, 77, resume=True) == Path("/state/run-76/partition-1")
     assert client_state_dir({}, {}, 0) is None
 
 
@@ -147,7 +174,7 @@ def test_a_client_keeps_its_last_two_rounds_and_resumes_from_the_latest_not_afte
     optimizer, adapter = load_round_state(tmp_path, 2)
     assert optimizer["step"].tolist() == [2] and adapter["a"].tolist() == [2.0, 2.0]
     assert load_round_state(tmp_path, 4)[0]["step"].tolist() == [3]  # a client lost in round 4: its round 3
-    with pytest.raises(FileNotFoundError, match=r"no client state of round <= 1"):
+    with pytest.raises(LocalError, match=r"no client state of round <= 1"):
         load_round_state(tmp_path, 1)
 
 
@@ -203,7 +230,7 @@ def _client_round(monkeypatch, tmp_path, learner, server_round, extra_config=Non
         given.update(theta=theta, optimizer_state=kwargs["optimizer_state"])
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={"step": np.array([plan.server_round], np.int64)})
 
-    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
+    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False, node=None: (fake_models(), ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     lines = []
 
@@ -248,7 +275,7 @@ def test_a_client_new_to_a_new_run_after_round_one_starts_fresh_and_says_so(monk
 
 
 def test_a_client_without_saved_state_in_the_first_round_of_a_resumed_run_fails(monkeypatch, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no client state of round <= 2"):
+    with pytest.raises(LocalError, match=r"no client state of round <= 2"):
         _client_round(monkeypatch, tmp_path, "federated", 3, {"resume-round": 2})
 
 

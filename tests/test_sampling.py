@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from client_messages import fake_models
 from flwr.app import ConfigRecord
 
 from fedopd.config import StrategySettings
@@ -142,7 +143,7 @@ def test_the_centralized_learner_takes_pooled_clients_times_the_rollouts_per_rou
         seen.update(per_round=plan.rollout.per_round, total_steps=plan.total_steps, step_offset=plan.step_offset)
         return SimpleNamespace(arrays=dict(theta), cache=None, metrics={}, optimizer_state={})
 
-    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False: (None, ["prompt"] * 4))
+    monkeypatch.setattr(handlers.worker, "setup", lambda cfg, pid, num, pooled=False, node=None: (fake_models(), ["prompt"] * 4))
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     cfg = parse_run_config(
         {

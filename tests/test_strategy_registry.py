@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from client_messages import fake_models
 from conftest import TINY
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
@@ -148,9 +149,9 @@ def _client_train(monkeypatch, message_config, **overrides):
 
     given = {}
 
-    def fake_setup(cfg, pid, num, pooled=False):
+    def fake_setup(cfg, pid, num, pooled=False, node=None):
         given["pooled"] = pooled
-        return None, ["prompt"] * (3 * 16 if pooled else 16)
+        return fake_models(), ["prompt"] * (3 * 16 if pooled else 16)
 
     def fake_train_round(models, theta, prompts, plan, **kwargs):
         given.update(vars(plan), **kwargs)
@@ -158,7 +159,7 @@ def _client_train(monkeypatch, message_config, **overrides):
 
     folders = []
     real_dir = handlers.client_state_dir
-    monkeypatch.setattr(handlers, "client_state_dir", lambda config, node, who: folders.append(who) or real_dir(config, node, who))
+    monkeypatch.setattr(handlers, "client_state_dir", lambda config, node, who, run_id=0: folders.append(who) or real_dir(config, node, who, run_id))
     monkeypatch.setattr(handlers.worker, "setup", fake_setup)
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     cfg = parse_run_config({**SMALL, **overrides})

@@ -1,8 +1,33 @@
-"""``python -m fedopd.data describe``: each client partition's size and mix (and ``--plot``)."""
+"""``python -m fedopd.data describe``: each client partition's size and mix (and ``--plot``);
+``python -m fedopd.data export``: each partition as a file of its own, for a SuperNode's node
+config ``data-path`` (and ``eval-path``)."""
 
 from __future__ import annotations
 
 from fedopd.data.describe import describe, plot_partitions
+
+
+def export_partitions(cfg, num_partitions: int, out) -> list:
+    """Write partition i's training rows to ``out/partition-<i>.jsonl`` and, where the set has
+    held-out problems, ``eval.prompts-per-client`` of them to ``partition-<i>.eval.jsonl``; the
+    files a SuperNode names as ``data-path`` and ``eval-path``. Refuses to overwrite a file."""
+    import json
+
+    from fedopd.data import heldout_rows, partition_rows
+    from fedopd.data.registry import DATASETS
+
+    files = {}
+    for i in range(num_partitions):
+        files[out / f"partition-{i}.jsonl"] = partition_rows(cfg.data, i, num_partitions)
+        if DATASETS[cfg.data.name].heldout_rows is not None:
+            files[out / f"partition-{i}.eval.jsonl"] = heldout_rows(cfg.data, i, num_partitions, cfg.eval.prompts_per_client)
+    existing = [str(p) for p in files if p.exists()]
+    if existing:
+        raise ValueError(f"--out: {existing[0]} exists; nothing was written (choose an empty folder)")
+    out.mkdir(parents=True, exist_ok=True)
+    for path, rows in files.items():
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return list(files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     add_run_config_option(desc)
     desc.add_argument("--num-partitions", type=int, default=0, help="default: num-clients, or 3")
     desc.add_argument("--plot", metavar="FILE", help="also draw Flower Datasets' partition plot to FILE (e.g. out.png)")
+    export = commands.add_parser("export", help="write each partition (and its held-out problems) as a JSONL file a SuperNode can name")
+    export.add_argument("--preset", help="a preset of configs/ (e.g. tiny) or a TOML file of run-config overrides")
+    add_run_config_option(export)
+    export.add_argument("--num-partitions", type=int, default=0, help="default: num-clients, or 3")
+    export.add_argument("--out", required=True, help="a folder: partition-<i>.jsonl and partition-<i>.eval.jsonl go there (never overwritten)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         merged = app_defaults()
@@ -33,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             merged.update(overrides_from_args(args.run_config))
         cfg = parse_run_config(merged)
         num = args.num_partitions or cfg.num_clients or 3
+        if args.command == "export":
+            for path in export_partitions(cfg, num, Path(args.out)):
+                print(path)
+            return 0
         print(describe(cfg.data, num, cfg.eval.prompts_per_client))
         if args.plot:
             plot_partitions(cfg.data, num, args.plot)

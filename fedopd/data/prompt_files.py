@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedopd.core.errors import LocalError
 from fedopd.core.settings import DataSettings
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -59,14 +60,14 @@ def local_files(path: str, key: str = "data.path") -> list[Path]:
     """The data files of a local ``path``: the file itself, or the folder's files in name order."""
     source = Path(path).expanduser()
     if not source.exists():
-        raise ValueError(f"{key} = '{path}' does not exist")
+        raise LocalError(f"{key} = '{path}' does not exist", key, "does not exist")
     if source.is_dir():
         files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in BUILDERS)
         if not files:
-            raise ValueError(f"{key} = '{path}' holds no {', '.join(sorted(BUILDERS))} file")
+            raise LocalError(f"{key} = '{path}' holds no {', '.join(sorted(BUILDERS))} file", key, "a folder without data files")
         return files
     if source.suffix.lower() not in BUILDERS:
-        raise ValueError(f"{key} = '{path}' is not a {', '.join(sorted(BUILDERS))} file")
+        raise LocalError(f"{key} = '{path}' is not a {', '.join(sorted(BUILDERS))} file", key, "not a data file")
     return [source]
 
 
@@ -76,13 +77,15 @@ def _read_file(file: Path, key: str) -> list[dict]:
     with open(file, "rb") as f:
         head = f.read(1 << 16)
     if not head.strip() and file.stat().st_size <= len(head):
-        raise ValueError(f"{key}: {file} is empty")
+        raise LocalError(f"{key}: {file} is empty", key, "an empty file")
     try:
         data = load_dataset(BUILDERS[file.suffix.lower()], data_files=[str(file)], split="train")
     except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not readable"
-        raise ValueError(f"{key}: {file} could not be read as {file.suffix.lower()[1:]}: {type(err).__name__}: {err}") from None
+        raise LocalError(
+            f"{key}: {file} could not be read as {file.suffix.lower()[1:]}: {type(err).__name__}: {err}", key, "a file that could not be read"
+        ) from None
     if len(data) == 0:
-        raise ValueError(f"{key}: {file} is empty (no rows)")
+        raise LocalError(f"{key}: {file} is empty (no rows)", key, "a file without rows")
     return [dict(r) for r in data]
 
 
@@ -92,12 +95,14 @@ def _read_hub(path: str, split: str, key: str, split_key: str) -> list[dict]:
     try:
         data = load_dataset(path, split=split)
     except Exception as err:  # noqa: BLE001 - not found, no such split, offline: all "cannot load"
-        raise ValueError(
+        raise LocalError(
             f"{key} = '{path}' is no local file or folder, and as a hub dataset (split {split_key} = '{split}') "
-            f"it could not be loaded: {type(err).__name__}: {err}"
+            f"it could not be loaded: {type(err).__name__}: {err}",
+            key,
+            "neither a local file nor a loadable hub dataset",
         ) from None
     if len(data) == 0:
-        raise ValueError(f"{key} = '{path}' (split {split_key} = '{split}') is empty")
+        raise LocalError(f"{key} = '{path}' (split {split_key} = '{split}') is empty", key, "an empty split")
     return [dict(r) for r in data]
 
 
@@ -126,7 +131,7 @@ def prompt_file(name: str, raw: Sequence[dict], problem_column: str, answer_colu
     columns = tuple(raw[0]) if raw else ()
     for key, column in (("data.problem-column", problem_column), ("data.answer-column", answer_column)):
         if column not in columns:
-            raise ValueError(f"{key} = '{column}' is not a column of {name}; its columns: {', '.join(columns)}")
+            raise LocalError(f"{key} = '{column}' is not a column of {name}; its columns: {', '.join(columns)}", key, "not a column of the file")
     rows, no_problem, no_answer = [], [], []
     for i, r in enumerate(raw):
         problem = r.get(problem_column)
@@ -137,11 +142,17 @@ def prompt_file(name: str, raw: Sequence[dict], problem_column: str, answer_colu
             no_answer.append(i)
         rows.append({**r, "problem": str(problem or ""), "answer": answer})
     if no_problem:
-        raise ValueError(f"data.problem-column = '{problem_column}' of {name} is empty in {_rows_text(no_problem)} (1-based)")
+        raise LocalError(
+            f"data.problem-column = '{problem_column}' of {name} is empty in {_rows_text(no_problem)} (1-based)",
+            "data.problem-column",
+            "empty in some rows",
+        )
     if no_answer:
-        raise ValueError(
+        raise LocalError(
             f"data.answer-column = '{answer_column}' of {name} has no answer in {_rows_text(no_answer)} (1-based): "
-            "empty, or a \\boxed{ without its closing brace"
+            "empty, or a \\boxed{ without its closing brace",
+            "data.answer-column",
+            "no answer in some rows",
         )
     return PromptFile(name, tuple(rows), columns)
 
@@ -268,7 +279,9 @@ def check_gold_answers(files: Sequence[PromptFile], answer_column: str, key: str
         bad = [i for i, r in enumerate(f.rows) if not answer_parses(r["answer"])]
         if bad:
             examples = "; ".join(f"row {i + 1}: {f.rows[i]['answer']!r}" for i in bad[:3])
-            raise ValueError(
+            raise LocalError(
                 f"{key} = '{answer_column}' of {f.name}: math-verify cannot parse the gold answer of "
-                f"{_rows_text(bad)} (1-based; {examples}); fix or drop those rows"
+                f"{_rows_text(bad)} (1-based; {examples}); fix or drop those rows",
+                key,
+                "gold answers math-verify cannot parse",
             )
