@@ -29,6 +29,7 @@ from flwr.common.logger import log
 
 from client_app import worker
 from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, save_round_state
+from client_app.limits import NodeLimits
 from fedopd.config import RunConfig
 from fedopd.core.errors import RequestError
 from fedopd.core.procinfo import rss_mb
@@ -120,6 +121,11 @@ def own_data(node_config: Mapping[str, Any] | None) -> NodeData | None:
     return NodeData.from_node_config(node_config or {})
 
 
+def _pool(cfg: RunConfig, node: NodeData | None, num: int) -> int:
+    """The rows a client reads into its prompt pool: its own file's sample, or the run's pool."""
+    return cfg.data.prompts_per_client * (1 if node is not None else num)
+
+
 def _check_data(cfg: RunConfig, node: NodeData | None, node_config: Mapping[str, Any] | None) -> None:
     if node is None:
         check_server_named_files(cfg.data, deployment=(node_config or {}).get("worker") == "resident")
@@ -137,6 +143,9 @@ def train(
             "train message: 'learner' = 'centralized' pools every partition's prompts; a node with its own data (node config 'data-path') holds only its own"
         )
     _check_data(cfg, node, node_config)
+    NodeLimits.from_node_config(node_config or {}).check(
+        cfg, "train", partitions=(request.pooled_clients or num) if request.pooled else 1, prompt_pool=_pool(cfg, node, num)
+    )
     models, prompts = worker.setup(cfg, pid, num, pooled=request.pooled, node=node)
     plan = RoundPlan.from_config(
         cfg,
@@ -260,6 +269,7 @@ def score(
     if state[META].get(SCORED, False):
         raise RequestError(f"score query for round {server_round}, which this client has already answered")
     node = own_data(node_config)
+    NodeLimits.from_node_config(node_config or {}).check(cfg, "score", candidates=len(request.candidates))
     models, prompts = worker.setup(cfg, pid, num, node=node)
 
     theta = from_record(state[THETA])
@@ -292,6 +302,7 @@ def evaluate(
         raise RequestError(f"evaluate message: 'server-round' = {server_round!r}; allowed: an integer in [0, {cfg.num_server_rounds}]")
     node = own_data(node_config)
     _check_data(cfg, node, node_config)
+    NodeLimits.from_node_config(node_config or {}).check(cfg, "evaluate", prompt_pool=_pool(cfg, node, num))
     models, prompts = worker.setup_heldout(cfg, pid, num, node=node)
     theta = _adapter(content, "arrays", models, "evaluate message")
     metrics = evaluate_heldout(models, theta, prompts, cfg.eval, derive_seed(cfg.seed, pid, server_round, 3))

@@ -3,13 +3,17 @@
 # workers, TLS and SuperNode authentication on by default; runs the app and stops everything.
 #
 #   scripts/local-deployment.sh --nodes N [--no-tls] [--no-auth] [--netns] [--workdir DIR]
-#                               [--kill-supernode I:MESSAGE-TYPE] -- <flwr run options>
+#                               [--data DIR] [--kill-supernode I:MESSAGE-TYPE] -- <flwr run options>
 #
 # e.g.  scripts/local-deployment.sh --nodes 3 -- --run-config "num-server-rounds=2"   (--stream is passed)
 #
 # Each SuperNode i has its own state folder ($FLWR_HOME), node config "partition-id=i
-# num-partitions=N worker='resident' worker-name='node-i'" and its own resident worker (a
-# detached Ray actor, client_app/resident.py) on a Ray instance this script starts. Credentials
+# num-partitions=N worker='resident' worker-name='node-i' data-path='<data>/partition-i.jsonl'"
+# (and eval-path='<data>/partition-i.eval.jsonl' where that file exists) and its own resident
+# worker (a detached Ray actor, client_app/resident.py) on a Ray instance this script starts. Each
+# node reads only its own file, as a host with private data would: --data DIR names the folder of
+# those files; without it the run config's partitions are written to <work>/data first
+# (python -m fedopd.data export), so a node trains on what partition i of a simulation would. Credentials
 # (CA, SuperLink certificate, one EC key pair per SuperNode) are made by scripts/credentials.py
 # and the public keys registered with `flwr supernode register`. --netns puts each SuperNode, with
 # its own Ray instance, in its own network namespace with its own address (needs root and
@@ -40,7 +44,7 @@ set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
-NODES=2; TLS=1; AUTH=1; NETNS=0; WORK=""; KILLS=()
+NODES=2; TLS=1; AUTH=1; NETNS=0; WORK=""; DATA=""; KILLS=()
 while (($#)); do
   case "$1" in
     --nodes) NODES="${2:?--nodes needs a number}"; shift 2 ;;
@@ -48,6 +52,7 @@ while (($#)); do
     --no-auth) AUTH=0; shift ;;
     --netns) NETNS=1; shift ;;
     --workdir) WORK="${2:?--workdir needs a folder}"; shift 2 ;;
+    --data) DATA="${2:?--data needs a folder}"; shift 2 ;;
     --kill-supernode) KILLS+=("${2:?--kill-supernode needs I:TYPE}"); shift 2 ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
@@ -184,6 +189,17 @@ done
 python -m fedopd.preflight "${PREFLIGHT_ARGS[@]}" >"$WORK/preflight.txt" 2>&1 \
   || { cat "$WORK/preflight.txt" >&2; echo "error: preflight failed (table above); no SuperNode was started" >&2; exit 1; }
 
+# --- Each SuperNode's own data: partition-<i>.jsonl (and .eval.jsonl) --------------------------
+if [[ -z "$DATA" ]]; then
+  DATA="$WORK/data"
+  python -m fedopd.data export "${PREFLIGHT_ARGS[@]/--num-clients/--num-partitions}" --out "$DATA" >"$WORK/data.log" 2>&1 \
+    || { cat "$WORK/data.log" >&2; echo "error: writing each node's data failed; no SuperNode was started" >&2; exit 1; }
+fi
+DATA="$(cd "$DATA" && pwd)"
+for ((i = 0; i < NODES; i++)); do
+  [[ -f "$DATA/partition-$i.jsonl" ]] || { echo "error: --data: no $DATA/partition-$i.jsonl for SuperNode $i" >&2; exit 2; }
+done
+
 # --- Ray (the resident workers' engine) and the SuperNodes ---------------------------------
 # Ray's socket paths must stay short: its session folders go to a short temp folder, removed at exit.
 RAY_TMP="$(mktemp -d /tmp/ftr.XXXXXX)"
@@ -229,11 +245,16 @@ for ((i = 0; i < (NETNS ? NODES : 1); i++)); do
     || { tail -5 "$log" >&2; echo "error: Ray instance $i did not start within 180 s; see $log" >&2; exit 1; }
 done
 
+node_data() {  # SuperNode $1's own files, as node config keys
+  echo -n "data-path=\"$DATA/partition-$1.jsonl\""
+  [[ -f "$DATA/partition-$1.eval.jsonl" ]] && echo -n " eval-path=\"$DATA/partition-$1.eval.jsonl\""
+  return 0
+}
 declare -A NODE_PGID
 for ((i = 0; i < NODES; i++)); do
   mkdir -p "$WORK/supernode-$i"
   SN_ARGS=(--superlink "$(superlink_address "$i")" --port 9094
-           --node-config "partition-id=$i num-partitions=$NODES worker=\"resident\" worker-name=\"node-$i\" ray-address=\"$(ray_address "$i")\"")
+           --node-config "partition-id=$i num-partitions=$NODES worker=\"resident\" worker-name=\"node-$i\" ray-address=\"$(ray_address "$i")\" $(node_data "$i")")
   ((NETNS)) || SN_ARGS[3]="$(python "$TOOLS" free-port)"
   if ((TLS)); then SN_ARGS+=(--root-certificates "$CREDS/ca.crt"); else SN_ARGS+=(--insecure); fi
   ((AUTH)) && SN_ARGS+=(--auth-supernode-private-key "$CREDS/supernode-$i")

@@ -130,12 +130,16 @@ def test_each_host_loads_its_models_once(tls_run):
 
 
 def test_deployment_reproduces_the_in_process_run_exactly(tls_run, tmp_path):
-    """Same seeds, same partitions: the deployed run's adapters equal an in-process run's."""
+    """Same seeds, same data: the deployed run's adapters equal those of an in-process run whose
+    nodes name the same files (each SuperNode read only its own, node config ``data-path``)."""
     from server_app.inprocess import run_in_process
 
-    _, _, run = tls_run
+    tmp, _, run = tls_run
     overrides = {k: json.loads(v) for k, v in TINY_RUN.items()}
-    local = run_in_process({**overrides, "output-dir": str(tmp_path)}, num_clients=2)
+    files = {i: tmp / "work" / "data" / f"partition-{i}.jsonl" for i in range(2)}
+    assert all(f.is_file() for f in files.values())
+    nodes = {i: {"data-path": str(f)} for i, f in files.items()}
+    local = run_in_process({**overrides, "output-dir": str(tmp_path)}, num_clients=2, node_configs=nodes)
     for rnd in (1, 2):
         deployed = load_file(run / f"round-{rnd:03d}" / "adapter_model.safetensors")
         simulated = load_file(local / f"round-{rnd:03d}" / "adapter_model.safetensors")
