@@ -52,6 +52,7 @@ class Average:
 
     arrays: Named | None
     record: dict[str, Any] = field(default_factory=dict)
+    hold: str | None = None  # why nothing was averaged, when there were updates (the round's hold-reason)
 
 
 class Averager(ABC):
@@ -126,17 +127,17 @@ class RobustMean(Averager):
             return Average(None)
         if isinstance(self.strategy, MultiKrum) and not isinstance(self.strategy, Krum):  # Krum is MultiKrum selecting 1
             self.strategy.num_nodes_to_select = max(1, len(updates) - self.strategy.num_malicious_nodes)
+        # Fewer updates than the run was checked for (silent or refused clients) can break the
+        # rule's breakdown point: such a round holds rather than average without its protection.
         problem = aggregator_problem(self.name, len(updates), getattr(self.strategy, "num_malicious_nodes", 0))
-        if problem is not None:  # fewer updates than the run was checked for (silent or refused clients)
-            log(WARNING, "round %d: %d updates averaged: %s", server_round, len(updates), problem[1])
+        why = problem[1] if problem is not None else None
         if isinstance(self.strategy, FedTrimmedAvg) and int(self.strategy.beta * len(updates)) == 0:
-            log(
-                WARNING,
-                "round %d: the trimmed mean of %d updates cuts none (strategy.trim-fraction = %g): it is the plain mean",
-                server_round,
-                len(updates),
-                self.strategy.beta,
+            why = (
+                f"the trimmed mean of {len(updates)} updates cuts none (strategy.trim-fraction = {self.strategy.beta:g}): it would be the plain mean"
             )
+        if why is not None:
+            log(WARNING, "round %d holds: %d updates to average: %s", server_round, len(updates), why)
+            return Average(None, hold=f"{len(updates)} updates: {why}")
         arrays, _ = self.strategy.aggregate_train(server_round, [as_message(u) for u in updates])
         return Average(None if arrays is None else from_record(arrays))
 

@@ -253,7 +253,7 @@ class ServerStrategy:
         kept, excluded, notes = self.screen(sent, replies)
         updates, bounds = self.bounded_updates(sent, kept)
         result = self.averager.average(sent.server_round, updates, sent.theta)
-        mean, gram, hold = result.arrays, None, None
+        mean, gram, hold = result.arrays, None, result.hold
         weights = [float(u.weight) for u in updates]
         if mean is not None and self.averages_factors and self.averager.weighted_mean:
             try:

@@ -48,7 +48,7 @@ from flwr.common.logger import log
 from fedtops_strategy.base import ServerStrategy, parse_replies
 from fedtops_strategy.replies import SCORE_NEGATIVE_TOL, Expected, ScoreReply, parse_score
 from fedtops_strategy.round import RoundResult, ScoreRows, Step, TrainAggregate, apply_step
-from fedtops_strategy.selection import Selection, select_round, vetoes
+from fedtops_strategy.selection import UNSCORED_CAP, Selection, select_round, vetoes
 
 __all__ = ["DEFAULT_CANDIDATES", "SCORE_MESSAGE_TYPE", "SCORE_NEGATIVE_TOL", "FedTOPS", "parse_score_reply"]
 
@@ -158,7 +158,16 @@ class FedTOPS(ServerStrategy):
         server_round = train.server_round
         if selection.fallback:
             log(WARNING, "round %d: no client answered the score query; falling back to a = 1 (FedAvg)", server_round)
-        if selection.capped:
+        if selection.too_few_rows is not None:
+            log(
+                WARNING,
+                "round %d: %s, which colluding rows could steer: a = %g capped at %g",
+                server_round,
+                selection.too_few_rows,
+                selection.selected,
+                UNSCORED_CAP,
+            )
+        elif selection.capped:
             log(
                 WARNING,
                 "round %d: node(s) %s trained but returned no valid scores; a = %g capped at %g",

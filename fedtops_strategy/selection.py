@@ -126,8 +126,9 @@ class Selection:
     selected: float  # the rule's choice before the cap (FALLBACK when no client scored)
     teacher_scores: list[float] | None  # Ĵ(a) per candidate; None when no client scored
     num_feasible: int
-    cap: float | None  # UNSCORED_CAP when a client that trained did not score, else None
+    cap: float | None  # UNSCORED_CAP when a client that trained did not score, or too few rows for a robust Ĵ; else None
     fallback: bool  # no client scored: a = FALLBACK
+    too_few_rows: str | None = None  # why a robust Ĵ could not keep its breakdown point (then a is capped at 1)
 
     @property
     def capped(self) -> bool:
@@ -158,10 +159,22 @@ def select_round(
     if not client_teacher_scores:
         return Selection(FALLBACK, FALLBACK, None, 0, None, fallback=True)
     teacher_scores = aggregate_teacher_scores(client_teacher_scores, weights, score_aggregate, trim_fraction)
+    too_few = robust_scores_problem(score_aggregate, len(client_teacher_scores), trim_fraction)
     selected = select_multiplier(
         candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol, max_vetoes=max_vetoes
     )
     num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol, max_vetoes))
-    cap = None if all_scored else UNSCORED_CAP
+    cap = None if all_scored and too_few is None else UNSCORED_CAP
     multiplier = selected if cap is None else min(selected, cap)
-    return Selection(multiplier, selected, teacher_scores, num_feasible, cap, fallback=False)
+    return Selection(multiplier, selected, teacher_scores, num_feasible, cap, fallback=False, too_few_rows=too_few)
+
+
+def robust_scores_problem(how: str, rows: int, trim_fraction: float) -> str | None:
+    """Why ``how`` (``strategy.score-aggregate``) of ``rows`` score rows would not be robust (the
+    median of 2 is their mean, a trimmed mean that cuts none is the mean), or None. The paper's
+    mean makes no such claim."""
+    if how == "median" and rows < 3:
+        return f"the median of {rows} score row(s) is their mean"
+    if how == "trimmed-mean" and int(trim_fraction * rows) == 0:
+        return f"the trimmed mean of {rows} score rows cuts none (strategy.trim-fraction = {trim_fraction:g})"
+    return None

@@ -383,16 +383,13 @@ def test_the_grid_hands_the_full_text_on_and_the_reply_carries_the_root_causes_l
 def test_a_failed_runs_status_holds_the_root_causes_line_and_the_run_folder_the_full_text(tmp_path, monkeypatch):
     from conftest import TINY
 
-    from client_app.app import app
-    from client_app.handlers import HANDLERS
     from fedopd.config import parse_run_config
     from server_app.app import RunFailed, run_server
     from server_app.run_folder import BODY_MARK, CLIENT_ERRORS, read_rounds, read_status
 
-    def train(content, state, *args, **kwargs):
+    def foreign_app(message, context):  # a ClientApp not this project's: it raises, and Flower's runtime sends the whole text
         _start_engine()
 
-    monkeypatch.setitem(HANDLERS, "train", train)
     lines = []
 
     class Lines(logging.Handler):
@@ -406,7 +403,7 @@ def test_a_failed_runs_status_holds_the_root_causes_line_and_the_run_folder_the_
     expected = f"no client returned a valid update in round 1: node 1001, 1002, 1003: {VLLM}"
     try:
         with pytest.raises(RunFailed) as raised:
-            run_server(SimulationGrid(app, cfg.to_run_config(), 3), cfg)
+            run_server(SimulationGrid(foreign_app, cfg.to_run_config(), 3), cfg)
     finally:
         logging.getLogger("flwr").removeHandler(handler)
     assert str(raised.value) == expected

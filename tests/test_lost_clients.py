@@ -157,15 +157,15 @@ def _folder(root):
 
 
 def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_message(tmp_path, monkeypatch):
-    from fedopd.core.errors import ModelLoadError
+    from fedopd.core.errors import LocalError
     from server_app.app import RunFailed
     from server_app.run_folder import read_rounds, read_status
 
-    refusal = ModelLoadError("student 'a' and teacher 'b' must share a tokenizer: 12 token ids differ")
+    refusal = LocalError("node config 'data-path' = '/srv/secret.csv' does not exist", "node config 'data-path'", "does not exist")
     called = _failing_train(monkeypatch, {1, 2}, refusal)
-    expected = (
+    expected = (  # the reply's public reason: the key and the kind, not the path (docs/deployment.md)
         "no client returned a valid update in round 1: node 1001, 1002, 1003: "
-        "ModelLoadError: student 'a' and teacher 'b' must share a tokenizer: 12 token ids differ"
+        "LocalError: node config 'data-path': does not exist (details in this node's log)"
     )
     with pytest.raises(RunFailed) as raised:
         _run_folder(tmp_path, {})
@@ -190,7 +190,8 @@ def test_a_run_stops_failed_after_max_failed_rounds_consecutive_rounds_without_a
     status = read_status(run)
     assert status["status"] == "failed" and status["rounds-done"] == 4
     assert status["error"] == (
-        "no client returned a valid update in 3 consecutive rounds (2-4); in round 4: node 1001, 1002, 1003: RuntimeError: disk full"
+        "no client returned a valid update in 3 consecutive rounds (2-4); in round 4: node 1001, 1002, 1003: "
+        "RuntimeError in the client's train (details in this node's log)"
     )
 
 

@@ -497,7 +497,8 @@ def test_under_local_two_nodes_whose_last_claims_are_one_partition_are_saved_und
     assert np.array_equal(adapters["node-1"]["layer.lora_A.weight"], np.asarray(HONEST[1][0], np.float32))
 
 
-def test_a_trimmed_mean_that_cuts_nobody_in_a_round_says_so(caplog):
+def test_a_trimmed_mean_that_would_cut_nobody_in_a_round_holds_it_and_says_so(caplog):
+    """floor(0.2 x 3) = 0: averaging would be the plain mean, which one update moves at will."""
     from flwr.serverapp.strategy import FedTrimmedAvg
 
     from fedtops_strategy.averaging import RobustMean, Update
@@ -505,10 +506,17 @@ def test_a_trimmed_mean_that_cuts_nobody_in_a_round_says_so(caplog):
     theta = {"w": np.zeros(2, np.float32)}
     updates = [Update(n, {"w": np.full(2, float(n), np.float32)}, 1) for n in (1, 2, 3)]
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        RobustMean(FedTrimmedAvg(beta=0.2)).average(4, updates, theta)  # floor(0.2 × 3) = 0
-        RobustMean(FedTrimmedAvg(beta=0.34)).average(5, updates, theta)  # floor(0.34 × 3) = 1
+        held = RobustMean(FedTrimmedAvg(beta=0.2)).average(4, updates, theta)  # floor(0.2 × 3) = 0
+        kept = RobustMean(FedTrimmedAvg(beta=0.34)).average(5, updates, theta)  # floor(0.34 × 3) = 1: the middle value
+    assert (
+        held.arrays is None
+        and held.hold == "3 updates: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it would be the plain mean"
+    )
+    np.testing.assert_array_equal(kept.arrays["w"], [2.0, 2.0])
     warned = [r.getMessage() for r in caplog.records if "cuts none" in r.getMessage()]
-    assert warned == ["round 4: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it is the plain mean"]
+    assert warned == [
+        "round 4 holds: 3 updates to average: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it would be the plain mean"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,12 +597,16 @@ def test_the_serverapp_checks_a_trimmed_mean_against_the_nodes_connected_when_nu
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_round_that_averages_fewer_updates_than_the_aggregator_needs_says_so(caplog):
-    """Checked for 3 clients per round; node 3 is silent, so the median is of 2: their mean."""
+def test_a_round_with_fewer_updates_than_the_aggregator_needs_holds_and_says_why(caplog):
+    """Checked for 3 clients per round; node 3 is silent, so the median would be of 2, their
+    mean, which one of them moves at will: the round holds (θ_t kept) and its record says why."""
     strategy = _aggregating(LoRAFedAvg, "median")
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL, lost={3: ("train", "silent")}))
-    assert "round 1: 2 updates averaged: 'median' of 2 update(s) per round is their mean" in caplog.text
+        ran = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL, lost={3: ("train", "silent")}))
+    assert "round 1 holds: 2 updates to average: 'median' of 2 update(s) per round is their mean" in caplog.text
+    assert ran.records[1]["multiplier"] == 0.0 and ran.records[1]["hold-reason"].startswith("2 updates: 'median' of 2 update(s)")
+    for got, start in zip(ran, THETA):
+        np.testing.assert_array_equal(got, start)
 
 
 def test_under_privacy_a_robust_aggregator_is_refused_for_privacy_not_for_its_breakdown_point():
@@ -668,3 +680,78 @@ def test_robust_teacher_scores_hold_up_to_their_stated_number_of_colluders_and_n
     assert chosen(tolerated, aggregate) == 2.0
     assert chosen(tolerated + 1, aggregate) == 10.0
     assert chosen(2, "mean") == 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# What a robust Ĵ keeps, exactly, and what it does not (docs/robustness.md, "Ĵ across clients")
+SCORE_RULES = [("median", 2, 5), ("trimmed-mean", 1, 5), ("median", 3, 7), ("trimmed-mean", 2, 10)]  # (rule, f it tolerates, n)
+
+
+@pytest.mark.parametrize("how, tolerated, n", SCORE_RULES)
+@hypothesis_settings(max_examples=40, derandomize=True, database=None, deadline=None)
+@given(data=st.data())
+def test_a_robust_j_stays_within_the_honest_rows_at_every_candidate_up_to_its_colluders_and_not_one_more(how, tolerated, n, data):
+    """Median of n rows: f < n/2 colluders; trimmed mean (β = 0.2): f <= ⌊β n⌋. With that many
+    colluding rows, whatever they report, Ĵ at each candidate lies between the honest rows'
+    smallest and largest value there; with one colluder more it leaves them (here: below them all)."""
+    from fedtops_strategy.selection import robust_teacher_scores
+
+    cells = st.floats(0.0, 744.0)
+    honest = data.draw(st.lists(st.lists(cells, min_size=3, max_size=3), min_size=n - tolerated, max_size=n - tolerated))
+    colluding = data.draw(st.lists(st.lists(cells, min_size=3, max_size=3), min_size=tolerated, max_size=tolerated))
+    j = robust_teacher_scores(honest + colluding, how, 0.2)
+    for c in range(3):
+        column = [row[c] for row in honest]
+        assert min(column) - 1e-9 <= j[c] <= max(column) + 1e-9
+    one_more = [[1.0] * 3] * (n - tolerated - 1) + [[0.0] * 3] * (tolerated + 1)  # honest rows at 1, colluders at 0
+    assert all(v < 1.0 for v in robust_teacher_scores(one_more, how, 0.2))
+
+
+def test_a_round_with_too_few_score_rows_for_the_robust_j_caps_a_at_one():
+    """Checked for 5, a round scores 4 rows (an honest node missed the train deadline): a trimmed
+    mean of 4 rows cuts none and would be the mean, which one colluder at Ĵ = 0 (a = 10) moves
+    to a = 10. The round caps a at 1 instead; the median of 2 rows is capped the same way."""
+    from fedtops_strategy.selection import select_round
+
+    def chosen(rows, how):
+        return select_round(
+            PAPER_CANDIDATES, rows, [[0.0] * 6] * len(rows), [1.0] * len(rows), 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2
+        )
+
+    five = [AGREEING_J] * 4 + [COLLUDING_J]
+    assert chosen(five, "trimmed-mean").multiplier == 2.0  # ⌊0.2 × 5⌋ = 1 cut: the honest choice
+    four = chosen([AGREEING_J] * 3 + [COLLUDING_J], "trimmed-mean")
+    assert (four.selected, four.multiplier, four.cap) == (10.0, 1.0, 1.0) and "cuts none" in four.too_few_rows
+    two = chosen([AGREEING_J, COLLUDING_J], "median")
+    assert two.multiplier == 1.0 and two.too_few_rows == "the median of 2 score row(s) is their mean"
+    assert chosen([AGREEING_J, COLLUDING_J], "mean").too_few_rows is None  # the paper's mean claims nothing
+
+
+def test_one_client_chooses_among_the_honestly_feasible_candidates_by_vetoing_the_others():
+    """The paper's rule (max-vetoes = 0) makes a candidate infeasible when any client's K̂ exceeds
+    δ, so one client that vetoes every candidate but its target gets its target whenever the honest
+    clients find it feasible, whatever the Ĵ aggregate: a limit, not a breakdown point."""
+    from fedtops_strategy.selection import select_round
+
+    honest_k = [0.0] * 6  # every candidate within δ for the honest clients
+    for target in range(6):
+        veto = [0.0 if j == target else 1.0 for j in range(6)]  # 1.0 > δ = 0.05
+        for how in ("mean", "median", "trimmed-mean"):
+            rows, k = [AGREEING_J] * 4 + [AGREEING_J], [honest_k] * 4 + [veto]
+            got = select_round(PAPER_CANDIDATES, rows, k, [1.0] * 5, 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2)
+            assert got.multiplier == PAPER_CANDIDATES[target]
+
+
+def test_honest_clients_on_different_scales_let_a_tolerated_number_of_colluders_choose():
+    """The bound is per candidate: honest rows whose levels differ (0.065, 0.05, 0.033, as in a
+    sandbox run) agree on a = 2 each, but 2 colluders of 5 push the median to the lowest honest
+    row at their target and the highest elsewhere, and it picks their target."""
+    from fedtops_strategy.selection import select_round
+
+    honest = [[level * (1 + 0.01 * abs(j - 2)) for j in range(6)] for level in (0.065, 0.05, 0.033)]  # each row's minimum: a = 2
+    target = 5
+    colluding = [[0.0 if j == target else 744.0 for j in range(6)]] * 2
+    got = select_round(PAPER_CANDIDATES, honest + colluding, [[0.0] * 6] * 5, [1.0] * 5, 0.05, all_scored=True, score_aggregate="median")
+    assert got.multiplier == PAPER_CANDIDATES[target] == 10.0
+    alone = select_round(PAPER_CANDIDATES, honest, [[0.0] * 6] * 3, [1.0] * 3, 0.05, all_scored=True, score_aggregate="median")
+    assert alone.multiplier == 2.0
