@@ -76,15 +76,21 @@ def handle(kind: str, msg: Message, context: Context) -> Message:
     try:
         pid, num = _partition(context)
         if worker_mode(context.node_config) == "resident":
+            from client_app.requests import check_message
             from client_app.resident import call_resident
 
-            content, state = call_resident(kind, msg.content, context.state, pid, num, dict(context.run_config), context.node_config, context.run_id)
+            # Before any worker is started or stopped: a message the node refuses touches none.
+            check_message(kind, msg.content, context.state, num, parse_run_config(context.run_config), context.node_config)
+
+            content, state = call_resident(
+                kind, msg.content, context.state, pid, num, dict(context.run_config), context.node_config, context.run_id, context.node_id
+            )
             _replace_state(context.state, state)
         else:
             from client_app.handlers import HANDLERS
 
             cfg = parse_run_config(context.run_config)
-            content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config, context.run_id)
+            content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config, context.run_id, context.node_id)
     except Exception as err:  # noqa: BLE001 - every failure is a reply; its details stay here
         log(ERROR, "%s failed on this node: %s", kind, "".join(traceback.format_exception(err)).rstrip())
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=public_reason(err, kind)), reply_to=msg)
@@ -109,6 +115,15 @@ def _mod_error(msg: Message, reason: str) -> Message:
 
 
 def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
+    """:func:`clip_reply`, whose own failures (an array it cannot read) reply as a handler's do."""
+    try:
+        return clip_reply(msg, context, call_next)
+    except Exception as err:  # noqa: BLE001 - the message's arrays are the server's: any failure is a reply
+        log(ERROR, "the privacy clipping mod failed on this node: %s", "".join(traceback.format_exception(err)).rstrip())
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=public_reason(err, "train")), reply_to=msg)
+
+
+def clip_reply(msg: Message, context: Context, call_next) -> Message:
     """Client-side clipping when the train config asks for it (``clipping_norm`` and
     ``privacy-clipping``): the reply's update θ_{t,i}^+ − θ_t clipped to norm C
     (:func:`fedtops_strategy.privacy.clip_update`, which keeps a zero update as it is: Flower's

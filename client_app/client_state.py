@@ -5,10 +5,12 @@ else: its optimizer state (AdamW moments and step counts, with ``train.optimizer
 'persistent'``) and, for Local, its own adapter. The schedule position and the prompt order are
 functions of the round number and need no saving. Nothing here travels to the server.
 
-Folder, on a SuperNode: ``<client-state-dir>/run-<run id>/partition-<i>/round-NNN/``, with the run
-id the SuperLink assigned and node config ``client-state-dir`` (without it, on a resident worker,
-``$FEDTOPS_CACHE/client-state/``, default ``~/.cache/fedtops/client-state/``). Nothing the server
-sends names or places it: two federations on one host, or two runs, never share a folder. In
+Folder, on a SuperNode: ``<client-state-dir>/node-<node id>/run-<run id>/partition-<i>/round-NNN/``,
+with the node id and run id the SuperLink assigned and node config ``client-state-dir`` (without
+it, on a deployment node, ``$FEDTOPS_CACHE/client-state/``, default
+``~/.cache/fedtops/client-state/``). Nothing the server sends names or places it: two federations
+on one host, or two runs, never share a folder, and a resumed run restores only a run of the
+same node id. In
 simulation (server and clients share a file system): ``<run folder>.clients/partition-<i>/round-NNN/``
 beside the run folder. The last two rounds are kept: a stop during round t+1 may leave that
 round's state behind, and the resumed run needs t's.
@@ -42,10 +44,13 @@ MAX_RUN_ID = (1 << 64) - 1  # Flower's run ids are unsigned 64-bit integers
 
 
 def node_state_root(node_config: Mapping[str, Any]) -> Path | None:
-    """The node's own root for client state: node config ``client-state-dir``, else on a resident
-    worker (deployment) the host's cache; None in simulation (the state goes beside the run folder)."""
+    """The node's own root for client state: node config ``client-state-dir``, else on a
+    deployment node (:func:`fedopd.data.node_data.deployment_node`) the host's cache; None in
+    simulation (the state goes beside the run folder)."""
+    from fedopd.data.node_data import deployment_node
+
     base = node_config.get("client-state-dir")
-    if not base and node_config.get("worker") == "resident":
+    if not base and deployment_node(node_config):
         # A SuperNode host need not see the server's file system: keep it in the host's cache.
         from fedopd.sandbox.tiny import cache_root
 
@@ -54,14 +59,15 @@ def node_state_root(node_config: Mapping[str, Any]) -> Path | None:
 
 
 def client_state_dir(
-    config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str, run_id: int = 0, *, resume: bool = False
+    config: Mapping[str, Any], node_config: Mapping[str, Any], partition_id: int | str, run_id: int = 0, *, node_id: int = 0, resume: bool = False
 ) -> Path | None:
     """Where this client's per-round state goes; None when the server asked for none (no ``run-dir``).
 
     On a node with a state root of its own (:func:`node_state_root`: a SuperNode) the folder is
-    keyed by the run id the SuperLink assigned (``run-<id>``), never by a name the server sends;
-    ``resume``: the folder of the run the server resumes (the train config's ``resume-run``, a
-    run id: under the same root, so a server can point only at a run of this node's).
+    keyed by the node id and the run id that the SuperLink assigned (``node-<id>/run-<id>``),
+    never by a name the server sends; ``resume``: the folder of the run the server resumes (the
+    train config's ``resume-run``, a run id, under this node id: a server can point only at a run
+    this node took part in under its SuperLink, not at another federation's).
     In simulation (server and clients on one file system) it is beside the server's run folder,
     named by the folder's last part (a run folder's name: letters, digits, ``.``, ``_``, ``-``)."""
     run_dir = config.get("run-dir")
@@ -73,7 +79,7 @@ def client_state_dir(
             run_id = config.get("resume-run")
             if not (isinstance(run_id, int) and not isinstance(run_id, bool) and 0 <= run_id <= MAX_RUN_ID):
                 raise RequestError(f"train message: 'resume-run' = {run_id!r}; allowed: a run id, an integer in [0, 2**64)")
-        return root / f"run-{int(run_id)}" / f"partition-{partition_id}"
+        return root / f"node-{int(node_id)}" / f"run-{int(run_id)}" / f"partition-{partition_id}"
     run = Path(str(run_dir))
     if not RUN_NAME.match(run.name):
         raise RequestError(f"train message: 'run-dir' ends in {run.name[:40]!r}, which is not a run folder's name (letters, digits, '.', '_', '-')")

@@ -16,14 +16,17 @@ key                    default            meaning
 ``max-tokens``         :data:`MAX_TOKENS` the most tokens one message may cost (about 5x the
                                           paper presets' largest message: 6.5 million)
 ``max-lora-rank``      :data:`MAX_RANK`   the largest ``lora.rank`` this node trains
-``allowed-models``     ``""`` (any)       space-separated model ids or paths this node loads
-                                          as ``model.student`` or ``model.teacher``
+``allowed-models``     ``""``             space-separated model ids or paths this node loads
+                                          as ``model.student`` or ``model.teacher``; ``""``:
+                                          any on a simulation's node, built-in models and hub
+                                          ids on a deployment node
 =====================  =================  =================================================
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +35,7 @@ from fedopd.core.settings import RunConfig
 
 MAX_TOKENS = 1 << 25  # 33.6 million
 MAX_RANK = 256
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # org/name, as the hub spells them
 
 
 def message_tokens(cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_pool: int = 0, candidates: int = 0) -> int:
@@ -40,20 +44,28 @@ def message_tokens(cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_poo
     - train: its rollouts generated (``rollout.per-round`` x ``partitions`` x ``rollout.max-new-tokens``)
       and run through the student and the teacher (x 2 x (``data.max-prompt-tokens`` +
       ``rollout.max-new-tokens``)), the scoring cache's ``cache.rollouts`` sequences (generated as
-      well when they come from untrained prompts), and its prompt pool read (``prompt_pool`` rows
-      x ``data.max-prompt-tokens``);
-    - score: ``candidates`` passes over the scoring cache's sequences;
+      well when they come from untrained prompts) and its stored values (:func:`cache_entries`),
+      and its prompt pool read (``prompt_pool`` rows x ``data.max-prompt-tokens``; a longer row
+      is dropped before it is rendered, :func:`fedopd.data.prompts.encode_prompts`);
+    - score: ``candidates`` passes over the scoring cache;
     - evaluate: ``eval.prompts-per-client`` x (1 greedy + ``eval.samples``) responses of
       (``data.max-prompt-tokens`` + ``eval.max-new-tokens``), and its prompt pool read.
     """
     prompt, new = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
-    cache = cfg.cache.rollouts * (prompt + new)
+    cache = cfg.cache.rollouts * (prompt + new) + cache_entries(cfg)
     if kind == "train":
         rollouts = cfg.rollout.per_round * partitions
         return rollouts * new + 2 * rollouts * (prompt + new) + 2 * cache + prompt_pool * prompt
     if kind == "score":
         return candidates * 2 * cache
     return cfg.eval.prompts_per_client * (1 + cfg.eval.samples) * (prompt + cfg.eval.max_new_tokens) + prompt_pool * prompt
+
+
+def cache_entries(cfg: RunConfig) -> int:
+    """The scoring cache's stored values: per cached position its teacher's and student's top-k
+    (ids and log-probabilities) and the sampled token's, ``cache.rollouts`` x ``cache.positions``
+    x (2 ``cache.top-k`` + 1); it travels in the client's state with every message."""
+    return cfg.cache.rollouts * cfg.cache.positions * (2 * cfg.cache.top_k + 1)
 
 
 def _positive_int(node_config: Mapping[str, Any], key: str, default: int) -> int:
@@ -78,23 +90,26 @@ class NodeLimits:
             raise LocalError(f"node config 'allowed-models' = {models!r}: expected a string", "node config 'allowed-models'", "not a string")
         return cls(_positive_int(node_config, "max-tokens", MAX_TOKENS), _positive_int(node_config, "max-lora-rank", MAX_RANK), tuple(models.split()))
 
-    def check(self, cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_pool: int = 0, candidates: int = 0) -> None:
-        """Refuse (:class:`RequestError`) a message this node does not take on (module docstring)."""
+    def check(self, cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_pool: int = 0, candidates: int = 0, deployment: bool = False) -> None:
+        """Refuse (:class:`RequestError`) a message this node does not take on (module docstring).
+        ``deployment`` (:func:`fedopd.data.node_data.deployment_node`): without ``allowed-models``,
+        only built-in models and hub ids (``org/name``), never a path the server names. The
+        errors name the node config keys, not their values."""
         for key, model in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
             if self.allowed_models and model not in self.allowed_models:
                 raise RequestError(f"the run config's {key} = {model[:200]!r} is not among this node's allowed models (node config 'allowed-models')")
+            if deployment and not self.allowed_models and not (model.startswith("builtin:") or HUB_ID.fullmatch(model)):
+                raise RequestError(
+                    f"the run config's {key} = {model[:200]!r} is neither a built-in model nor a hub id ('org/name'); a deployment node "
+                    "loads a local model folder only when its node config 'allowed-models' lists it"
+                )
         if cfg.lora.rank > self.max_lora_rank:
-            raise RequestError(
-                f"the run config's lora.rank = {cfg.lora.rank} is above this node's bound of {self.max_lora_rank} (node config 'max-lora-rank')"
-            )
+            raise RequestError(f"the run config's lora.rank = {cfg.lora.rank} is above this node's bound (node config 'max-lora-rank')")
         tokens = message_tokens(cfg, kind, partitions=partitions, prompt_pool=prompt_pool, candidates=candidates)
         if tokens > self.max_tokens:
             keys = {
-                "train": "rollout.per-round, rollout.max-new-tokens, data.max-prompt-tokens, data.prompts-per-client, cache.rollouts",
-                "score": "cache.rollouts, data.max-prompt-tokens, rollout.max-new-tokens and the candidates",
+                "train": "rollout.per-round, rollout.max-new-tokens, data.max-prompt-tokens, data.prompts-per-client, cache.*",
+                "score": "cache.*, data.max-prompt-tokens, rollout.max-new-tokens and the candidates",
                 "evaluate": "eval.prompts-per-client, eval.samples, eval.max-new-tokens, data.max-prompt-tokens",
             }[kind]
-            raise RequestError(
-                f"this {kind} message would cost about {tokens:,} tokens ({keys}), above this node's bound of "
-                f"{self.max_tokens:,} (node config 'max-tokens')"
-            )
+            raise RequestError(f"this {kind} message would cost about {tokens:,} tokens ({keys}), above this node's bound (node config 'max-tokens')")

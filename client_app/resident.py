@@ -87,7 +87,18 @@ class ResidentWorker:
             torch.set_num_threads(threads)
         self.identity = identity
 
-    def handle(self, kind: str, content, state, pid: int, num: int, run_config: dict[str, Any], node_config: dict[str, Any], run_id: int = 0):
+    def handle(
+        self,
+        kind: str,
+        content,
+        state,
+        pid: int,
+        num: int,
+        run_config: dict[str, Any],
+        node_config: dict[str, Any],
+        run_id: int = 0,
+        node_id: int = 0,
+    ):
         """(reply content, the client's new state) for one message."""
         from client_app.handlers import HANDLERS
         from fedopd.config import parse_run_config
@@ -95,7 +106,7 @@ class ResidentWorker:
         got = worker_identity(run_config)
         if got != self.identity:
             raise RuntimeError(f"this worker holds {self.identity}, the message needs {got}")
-        reply = HANDLERS[kind](content, state, pid, num, parse_run_config(run_config), node_config, run_id)
+        reply = HANDLERS[kind](content, state, pid, num, parse_run_config(run_config), node_config, run_id, node_id)
         return reply, state
 
     def info(self) -> dict[str, Any]:
@@ -299,13 +310,15 @@ def get_worker(run_config: Mapping[str, Any], node_config: Mapping[str, Any]):
     return actor.remote(identity, int(threads) if threads else None)
 
 
-def call_resident(kind: str, content, state, pid: int, num: int, run_config: Mapping[str, Any], node_config: Mapping[str, Any], run_id: int = 0):
+def call_resident(
+    kind: str, content, state, pid: int, num: int, run_config: Mapping[str, Any], node_config: Mapping[str, Any], run_id: int = 0, node_id: int = 0
+):
     """Run one message's work in the resident worker: (reply content, new state)."""
     import ray
 
     worker = get_worker(run_config, node_config)
     try:
-        return ray.get(worker.handle.remote(kind, content, state, pid, num, dict(run_config), dict(node_config), run_id))
+        return ray.get(worker.handle.remote(kind, content, state, pid, num, dict(run_config), dict(node_config), run_id, node_id))
     except ray.exceptions.RayTaskError as err:  # the handler's own exception, as the shell's reply reason reads it
         raise (err.cause if isinstance(err.cause, Exception) else RuntimeError(f"resident worker: {err}")) from None
 

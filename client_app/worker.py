@@ -28,7 +28,7 @@ from fedopd.models.positions import needed_positions
 from fedopd.models.vocab import ModelFiles, eos_conventions
 from fedopd.rollout.vllm_engine import run_max_num_seqs
 
-_PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}
+_PROMPTS: dict[tuple, tuple[Prompt, ...]] = {}  # the encoded pools of one run's data settings (a new run's replace them)
 _LOADS = [0]
 _MODELS: dict[tuple, ClientModels] = {}  # at most one entry: the models of the last config
 
@@ -106,11 +106,13 @@ def _models(cfg: RunConfig) -> ClientModels:
 def _encoded(
     cfg: RunConfig, models: ClientModels, kind: str, partition_id: int, num_partitions: int, node: NodeData | None = None
 ) -> tuple[Prompt, ...]:
-    held_out = cfg.eval.prompts_per_client if kind == "heldout" else None
     # The partition, the prompt pool and the held-out problems depend on data.seed (cfg.data), never
     # on the training seed: runs with seeds 0, 1, 2 differ only in training randomness.
-    key = (kind, cfg.data, held_out, partition_id, num_partitions, cfg.model.student, node)
+    run = (cfg.data, cfg.eval.prompts_per_client, num_partitions, cfg.model.student, node)
+    key = (run, kind, partition_id)
     if key not in _PROMPTS:
+        for other in [k for k in _PROMPTS if k[0] != run]:  # another run's pools: one run's at a time stay
+            del _PROMPTS[other]
         _PROMPTS[key] = _load(cfg, models, kind, partition_id, num_partitions, node)
     return _PROMPTS[key]
 

@@ -123,8 +123,9 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     num_clients = cfg.num_clients or max(1, len(list(grid.get_node_ids())))
     # The boundary's ranges (fedtops_strategy/replies.py): partition ids in [0, num-clients), and a
     # client holds at most the whole prompt pool (data.prompts-per-client per client). With
-    # num-clients = 0 (the nodes connected at the start, a count that can be short of the
-    # federation's while nodes still register) there are no upper bounds to check against.
+    # num-clients = 0 the pool is that of the nodes connected at the start (a simulation's
+    # partitions are exactly those nodes), and partition ids have no upper bound to check against
+    # (nodes may still register).
     if not cfg.num_clients:
         check_connected(cfg, num_clients)
     strategy = make_strategy(
@@ -133,7 +134,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
         seed=cfg.seed,
         timeouts=cfg.timeout,
         privacy=cfg.privacy,
-        max_examples=cfg.data.prompts_per_client * cfg.num_clients if cfg.num_clients else None,
+        max_examples=cfg.data.prompts_per_client * num_clients,
         num_partitions=num_clients if cfg.num_clients else None,
     )
     supports = capabilities(cfg.strategy.name)

@@ -149,7 +149,7 @@ def test_untrained_indices_avoid_the_round_batch_and_repeat_for_a_seed():
 
 
 def test_the_train_message_asks_for_a_heldout_cache_only_under_that_variant():
-    from client_app.handlers import TrainRequest
+    from client_app.requests import TrainRequest
 
     for name, expected in (("fedtops", None), ("fedtops-heldout-cache", "untrained")):
         strategy = make_strategy(StrategySettings(name=name), num_clients=2)

@@ -214,9 +214,11 @@ def _moved(folder, server_round):
     return math.sqrt(sum(float(np.sum((now[k].astype(np.float64) - start[k]) ** 2)) for k in start))
 
 
-def test_a_claimed_weight_beyond_the_prompt_pool_is_left_out(tmp_path):
-    """Before: num-examples = 1e9 made this client's update the whole average."""
-    folder, [record] = _run(tmp_path, {("train", 1): _set("num-examples", 10**9)})
+@pytest.mark.parametrize("num_clients", [3, 0], ids=["num-clients-3", "num-clients-0"])
+def test_a_claimed_weight_beyond_the_prompt_pool_is_left_out(tmp_path, num_clients):
+    """Before: num-examples = 1e9 made this client's update the whole average; with num-clients =
+    0 (the nodes connected at the start, here 3) it still did (the colluding-clients review)."""
+    folder, [record] = _run(tmp_path, {("train", 1): _set("num-examples", 10**9)}, **{"num-clients": num_clients})
     assert [c["partition-id"] for c in record["clients"]] == [0, 2]
     assert record["excluded"] == [{"node-id": NODE, "reason": "'num-examples' is 1000000000: more than a client can hold (48)"}]  # 16 x 3
     assert _finite_adapter(folder, 1)

@@ -74,18 +74,36 @@ def test_any_node_config_gives_its_own_data_or_a_refusal_that_names_one_of_its_k
         assert node.path == node_config["data-path"] and isinstance(node.path, str) and node.path.strip()
 
 
-def test_a_deployment_node_without_its_own_data_reads_no_local_file_the_server_names(tmp_path):
+def test_a_deployment_node_without_its_own_data_reads_no_data_source_the_server_names(tmp_path):
+    """Neither a local file nor a hub id: the refusal reads the same whether or not the path exists
+    (telling them apart would test the host's files, the hostile-server review's finding)."""
     local = _jsonl(tmp_path / "servers-choice.jsonl", ["Compute 1 + 1."])
+    reasons = set()
     for data in (
-        {"data.name": "prompts", "data.path": str(local)},
-        {"data.name": "prompts", "data.path": "owner/set", "data.eval-path": "/etc/x.csv"},
+        {"data.path": str(local)},
+        {"data.path": str(tmp_path / "missing.jsonl")},
+        {"data.path": "home/.ssh"},
+        {"data.path": "owner/set"},
+        {"data.path": "owner/set", "data.eval-path": "/etc/x.csv"},
     ):
-        cfg = parse_run_config({**data, "data.partitioner": "iid"})
-        with pytest.raises(RequestError, match="names a local file; a deployment node .* reads only the files its own node config names"):
+        cfg = parse_run_config({"data.name": "prompts", "data.partitioner": "iid", **data})
+        with pytest.raises(RequestError, match="names a data source; a deployment node reads only the one its own node config names") as err:
             check_server_named_files(cfg.data, deployment=True)
+        reasons.add(str(err.value).replace(repr(cfg.data.path[:200]), "PATH"))
         check_server_named_files(cfg.data, deployment=False)  # simulation: one file system, one operator
-    check_server_named_files(parse_run_config({"data.name": "prompts", "data.path": "owner/set", "data.partitioner": "iid"}).data, deployment=True)
+    assert len(reasons) == 1
     check_server_named_files(parse_run_config({}).data, deployment=True)  # a built-in set
+    check_server_named_files(
+        parse_run_config({"data.name": "math", "data.partitioner": "groups", "eval.every": 0}).data, deployment=True
+    )  # MATH's own hub source
+
+
+def test_which_nodes_are_deployment_nodes():
+    from fedopd.data.node_data import deployment_node
+
+    assert not deployment_node({"partition-id": 0, "num-partitions": 3})  # what Flower's simulation sets
+    for extra in ({"worker": "resident"}, {"data-path": "/data/x.jsonl"}, {"client-state-dir": "/state"}):
+        assert deployment_node({"partition-id": 0, "num-partitions": 3, **extra})
 
 
 @pytest.mark.parametrize(

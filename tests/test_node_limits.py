@@ -23,17 +23,23 @@ SMALL = {
     "rollout.max-new-tokens": 16,
     "data.max-prompt-tokens": 32,
     "cache.rollouts": 4,
+    "cache.positions": 2,
+    "cache.top-k": 1,
     "train.mini-batch": 4,
 }
 
 
 def test_a_train_messages_cost_is_its_rollouts_generated_and_run_through_both_models_its_cache_and_its_pool():
-    # 8 x 16 generated + 2 x 8 x (32 + 16) through student and teacher + 2 x 4 x 48 for the cache + 10 x 32 read
-    assert message_tokens(parse_run_config(SMALL), "train", prompt_pool=10) == 128 + 768 + 384 + 320
+    # the cache: 4 sequences of 32 + 16 through both models, and 4 x 2 positions x (2 x 1 + 1) stored values
+    cache = 4 * 48 + 4 * 2 * 3
+    # 8 x 16 generated + 2 x 8 x (32 + 16) through student and teacher + 2 x the cache + 10 x 32 read
+    assert message_tokens(parse_run_config(SMALL), "train", prompt_pool=10) == 128 + 768 + 2 * cache + 320 == 1648
     # the Centralized learner pooling 3 clients: 3 x 8 rollouts
-    assert message_tokens(parse_run_config(SMALL), "train", partitions=3) == 3 * 128 + 3 * 768 + 384
-    # a score query: each of 5 candidates is one pass of the 4 cached sequences through both models
-    assert message_tokens(parse_run_config(SMALL), "score", candidates=5) == 5 * 2 * 4 * 48
+    assert message_tokens(parse_run_config(SMALL), "train", partitions=3) == 3 * 128 + 3 * 768 + 2 * cache
+    # a score query: each of 5 candidates is one pass over the cache with both models
+    assert message_tokens(parse_run_config(SMALL), "score", candidates=5) == 5 * 2 * cache
+    # a larger cache.top-k costs more, even with no more tokens (the attacker's finding)
+    assert message_tokens(parse_run_config({**SMALL, "cache.top-k": 100}), "score", candidates=1) == 2 * (4 * 48 + 4 * 2 * 201)
     # evaluate: 2 problems x (1 greedy + 3 samples) x (32 + 8)
     cfg = parse_run_config({**SMALL, "eval.prompts-per-client": 2, "eval.samples": 3, "eval.max-new-tokens": 8})
     assert message_tokens(cfg, "evaluate") == 2 * 4 * 40
@@ -72,17 +78,17 @@ def _train(monkeypatch, run_config: dict, node_config: dict, **message: object):
 
 
 def test_a_message_past_the_nodes_bound_is_refused_before_anything_is_loaded(monkeypatch):
-    with pytest.raises(RequestError, match=r"would cost about [\d,]+ tokens .* above this node's bound of 1,000 \(node config 'max-tokens'\)"):
-        _train(monkeypatch, SMALL, {"max-tokens": 1000})
-    with pytest.raises(RequestError, match=r"lora.rank = 512 is above this node's bound of 256"):
+    with pytest.raises(RequestError, match=r"would cost about 2,288 tokens .* above this node's bound \(node config 'max-tokens'\)"):
+        _train(monkeypatch, SMALL, {"max-tokens": 2287})
+    with pytest.raises(RequestError, match=r"lora.rank = 512 is above this node's bound \(node config 'max-lora-rank'\)"):
         _train(monkeypatch, {**SMALL, "lora.rank": 512}, {})
     with pytest.raises(RequestError, match=r"model.student = 'builtin:sandbox-student' is not among this node's allowed models"):
         _train(monkeypatch, SMALL, {"allowed-models": "builtin:tiny-student builtin:tiny-teacher"})
-    assert len(_train(monkeypatch, SMALL, {"max-tokens": 2240})) == 1  # 1,280 + its pool of 3 x 10 x 32 fits exactly
-    # the Centralized learner pooling 3 clients: 3 x (128 + 768) + 384 + 960 = 4,032
-    with pytest.raises(RequestError, match=r"about 4,032 tokens"):
-        _train(monkeypatch, SMALL, {"max-tokens": 4031}, learner="centralized", **{"pooled-clients": 3})
-    assert len(_train(monkeypatch, SMALL, {"max-tokens": 4032}, learner="centralized", **{"pooled-clients": 3})) == 1
+    assert len(_train(monkeypatch, SMALL, {"max-tokens": 2288})) == 1  # 1,328 + its pool of 3 x 10 x 32 fits exactly
+    # the Centralized learner pooling 3 clients: 3 x (128 + 768) + 432 + 960 = 4,080
+    with pytest.raises(RequestError, match=r"about 4,080 tokens"):
+        _train(monkeypatch, SMALL, {"max-tokens": 4079}, learner="centralized", **{"pooled-clients": 3})
+    assert len(_train(monkeypatch, SMALL, {"max-tokens": 4080}, learner="centralized", **{"pooled-clients": 3})) == 1
 
 
 def test_a_node_limit_that_is_not_a_positive_integer_is_refused_naming_it():

@@ -103,7 +103,7 @@ def test_supernodes_resume_from_the_state_they_keep_under_the_superlinks_run_id(
     stopped = _run_stopped_in_round({**config, "output-dir": str(tmp_path / "stopped")}, 3, run_id=11, node_configs=nodes)
     resumed = run_in_process({**config, "output-dir": str(tmp_path / "elsewhere"), "resume-from": str(stopped)}, run_id=12, node_configs=nodes)
     _same_from_round_three(full, stopped, resumed, "local")
-    assert sorted(p.name for p in (tmp_path / "host-1").iterdir()) == ["run-10", "run-11", "run-12"]
+    assert sorted(p.name for p in (tmp_path / "host-1" / "node-1002").iterdir()) == ["run-10", "run-11", "run-12"]
     assert json.loads((stopped / "status.json").read_text())["flower-runs"] == [[1, 11], [3, 12]]
 
 
@@ -156,10 +156,18 @@ def test_the_client_state_folder_is_beside_the_run_in_simulation_and_on_the_host
     monkeypatch.setenv("FEDTOPS_CACHE", str(tmp_path / "cache"))
     config = {"run-dir": "/data/runs/20261122-170102-fedtops"}
     assert client_state_dir(config, {}, 1) == Path("/data/runs/20261122-170102-fedtops.clients/partition-1")
-    assert client_state_dir(config, {"client-state-dir": "/state"}, 1, 77) == Path("/state/run-77/partition-1")
-    assert client_state_dir(config, {"worker": "resident"}, 2, 77) == tmp_path / "cache" / "client-state" / "run-77" / "partition-2"
+    assert client_state_dir(config, {"client-state-dir": "/state"}, 1, 77, node_id=5) == Path("/state/node-5/run-77/partition-1")
+    assert (
+        client_state_dir(config, {"worker": "resident"}, 2, 77, node_id=5)
+        == tmp_path / "cache" / "client-state" / "node-5" / "run-77" / "partition-2"
+    )
+    # a node with data of its own is a deployment node: its state is under its own root, whatever run-dir says
+    assert (
+        client_state_dir(config, {"data-path": "/data/ours.jsonl"}, 2, 77, node_id=5)
+        == tmp_path / "cache" / "client-state" / "node-5" / "run-77" / "partition-2"
+    )
     resumed = {**config, "resume-run": 76}
-    assert client_state_dir(resumed, {"client-state-dir": "/state"}, 1, 77, resume=True) == Path("/state/run-76/partition-1")
+    assert client_state_dir(resumed, {"client-state-dir": "/state"}, 1, 77, node_id=5, resume=True) == Path("/state/node-5/run-76/partition-1")
     assert client_state_dir({}, {}, 0) is None
 
 

@@ -159,7 +159,9 @@ def _client_train(monkeypatch, message_config, **overrides):
 
     folders = []
     real_dir = handlers.client_state_dir
-    monkeypatch.setattr(handlers, "client_state_dir", lambda config, node, who, run_id=0: folders.append(who) or real_dir(config, node, who, run_id))
+    monkeypatch.setattr(
+        handlers, "client_state_dir", lambda config, node, who, run_id=0, **kw: folders.append(who) or real_dir(config, node, who, run_id, **kw)
+    )
     monkeypatch.setattr(handlers.worker, "setup", fake_setup)
     monkeypatch.setattr(handlers, "train_round", fake_train_round)
     cfg = parse_run_config({**SMALL, **overrides})

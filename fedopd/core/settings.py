@@ -353,6 +353,9 @@ class PrivacySettings:
     )
 
 
+CACHE_SOURCES = ("round", "untrained")  # where a scoring cache's rollouts come from (fedopd.engine.round.RoundPlan.cache_source)
+
+
 @dataclass(frozen=True)
 class CacheSettings:
     rollouts: int = setting(4, _int(1), "scoring cache per client (built only for FedTOPS)")

@@ -24,9 +24,9 @@ Such a node reads its rows as ``data.name = "prompts"`` reads a file
 ``data.max-prompt-tokens``, ``data.prompts-per-client`` and ``data.seed`` apply to it.
 
 A node without ``data-path`` keeps the run config's data set, partitioned by ``partition-id`` (the
-simulation's data sets). A resident worker (``worker = "resident"``, deployment) without
-``data-path`` reads no local file the run config names (:func:`check_server_named_files`): only a
-built-in set or a hub dataset.
+simulation's data sets). A deployment node (:func:`deployment_node`) without ``data-path`` reads
+no data source the run config names (:func:`check_server_named_files`): only a built-in set, or
+MATH from its own hub source.
 
 Errors name the node config key. Their text stays in the node's log; the server's reply reason
 names the key and the kind of problem only (:class:`fedopd.core.errors.LocalError`).
@@ -108,17 +108,24 @@ def in_node_terms(err: LocalError) -> LocalError:
     return LocalError(text, key, err.kind)
 
 
+def deployment_node(node_config: Mapping[str, Any]) -> bool:
+    """A node its operator set up for a deployment: a resident worker, data of its own, or a state
+    folder of its own. Such a node reads no data source and no model folder the server names, and
+    keeps its state under its own root. A simulation's nodes (Flower sets only ``partition-id``
+    and ``num-partitions``) share the server's machine and operator."""
+    return node_config.get("worker") == "resident" or "data-path" in node_config or bool(node_config.get("client-state-dir"))
+
+
 def check_server_named_files(data: DataSettings, *, deployment: bool) -> None:
-    """A deployment node without data of its own reads no local file the run config names
-    (``data.path``, ``data.eval-path``): the server must not choose which of a host's files a
-    client opens. A hub id or a built-in set is fine."""
+    """A deployment node without data of its own reads no data source the run config names
+    (``data.path``, ``data.eval-path``): not a local file, and not a hub id either, since telling
+    the two apart would mean looking at the host's files. A built-in set, or MATH from its
+    default hub source (``data.path = ""``), is fine."""
     if not deployment:
         return
-    from fedopd.data.prompt_files import _is_local
-
     for key, value in (("data.path", data.path), ("data.eval-path", data.eval_path)):
-        if value and data.name in ("prompts", "math") and _is_local(value):
+        if value:
             raise RequestError(
-                f"the run config's {key} = {value[:200]!r} names a local file; a deployment node (worker 'resident') reads "
-                "only the files its own node config names: 'data-path' (docs/deployment.md)"
+                f"the run config's {key} = {value[:200]!r} names a data source; a deployment node reads only the one its own "
+                "node config names: 'data-path' (docs/deployment.md)"
             )

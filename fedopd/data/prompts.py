@@ -40,15 +40,23 @@ def render_prompt(tokenizer, problem: str) -> str:
     )
 
 
+MAX_CHARS_PER_TOKEN = 32  # more characters per token than any tokenizer's longest common tokens hold
+
+
 def encode_prompts(tokenizer, rows: Sequence[dict], max_prompt_tokens: int, *, source: str = "prompts") -> list[Prompt]:
     """Render and tokenize rows, dropping prompts over ``max_prompt_tokens`` tokens.
 
-    Raises ``ValueError`` naming ``source`` when nothing is left, before any work starts.
+    A problem longer than :data:`MAX_CHARS_PER_TOKEN` x ``max_prompt_tokens`` characters is
+    dropped before it is rendered: no tokenizer packs that many characters into a token, and the
+    work of reading a prompt pool stays bounded by its rows x ``max_prompt_tokens``
+    (:mod:`client_app.limits`). Raises ``ValueError`` naming ``source`` when nothing is left.
     """
     if not rows:
         raise ValueError(f"{source}: the prompt set is empty")
     prompts = []
     for row in rows:
+        if len(str(row["problem"])) > MAX_CHARS_PER_TOKEN * max_prompt_tokens:
+            continue
         ids = tokenizer(render_prompt(tokenizer, row["problem"]), add_special_tokens=False)["input_ids"]
         if len(ids) <= max_prompt_tokens:
             prompts.append(Prompt(row["problem"], str(row["answer"]), str(row.get("group", "")), tuple(ids)))

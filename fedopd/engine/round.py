@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedopd.core.settings import CacheSettings, LoraSettings, RolloutSettings, RunConfig, TrainSettings
+from fedopd.core.settings import CACHE_SOURCES, CacheSettings, LoraSettings, RolloutSettings, RunConfig, TrainSettings
 from fedopd.data import Prompt, round_indices
 from fedopd.data.grading import is_correct
 from fedopd.data.prompts import untrained_indices
@@ -94,9 +94,6 @@ def load_client_models(
 def derive_seed(*parts: int) -> int:
     """A 32-bit seed from (run seed, round, partition id, purpose...): independent streams."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
-
-
-CACHE_SOURCES = ("round", "untrained")  # RoundPlan.cache_source
 
 
 @dataclass
