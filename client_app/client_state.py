@@ -86,6 +86,23 @@ def client_state_dir(
     return run.parent / f"{run.name}.clients" / f"partition-{partition_id}"
 
 
+KEEP_RUNS = 4  # a node's newest run folders kept (a resumed run needs the one before it)
+
+
+def prune_runs(folder: Path, keep: int = KEEP_RUNS) -> list[Path]:
+    """On a SuperNode's own root, remove all but this node's ``keep`` newest run folders
+    (``<root>/node-<id>/run-<id>/``; ``folder`` is a partition folder inside one), so that a
+    server cannot fill the host's disk one run id at a time. Returns what it removed."""
+    node = folder.parent.parent
+    if not re.fullmatch(r"node-\d+", node.name):
+        return []  # the simulation's layout: beside the server's run folder
+    runs = sorted((p for p in node.iterdir() if re.fullmatch(r"run-\d+", p.name) and p.is_dir()), key=lambda p: p.stat().st_mtime)
+    removed = [p for p in runs[:-keep] if p != folder.parent]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 def _round_dirs(folder: Path) -> dict[int, Path]:
     if not folder.is_dir():
         return {}

@@ -26,7 +26,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from client_app import worker
-from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, save_round_state
+from client_app.client_state import client_state_dir, latest_saved_round, load_round_state, prune_runs, save_round_state
 from client_app.requests import CACHE, META, OPTIMIZER, SCORED, THETA, check_message
 from fedopd.config import RunConfig
 from fedopd.core.errors import RequestError
@@ -109,6 +109,7 @@ def train(
     state[META] = ConfigRecord({"server-round": server_round})
     if folder is not None:
         save_round_state(folder, server_round, out.optimizer_state if persistent else None, out.arrays if local else None)
+        prune_runs(folder)
 
     metrics = MetricRecord(
         {

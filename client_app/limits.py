@@ -35,6 +35,7 @@ from fedopd.core.settings import RunConfig
 
 MAX_TOKENS = 1 << 25  # 33.6 million
 MAX_RANK = 256
+ROW_OVERHEAD = 128  # tokens of the chat template and the instruction every row is rendered with, before its length is known
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # org/name, as the hub spells them
 
 
@@ -45,8 +46,10 @@ def message_tokens(cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_poo
       and run through the student and the teacher (x 2 x (``data.max-prompt-tokens`` +
       ``rollout.max-new-tokens``)), the scoring cache's ``cache.rollouts`` sequences (generated as
       well when they come from untrained prompts) and its stored values (:func:`cache_entries`),
-      and its prompt pool read (``prompt_pool`` rows x ``data.max-prompt-tokens``; a longer row
-      is dropped before it is rendered, :func:`fedopd.data.prompts.encode_prompts`);
+      and its prompt pool read (``prompt_pool`` rows x (``data.max-prompt-tokens`` +
+      :data:`ROW_OVERHEAD`): each row is made, rendered with the chat template and tokenized
+      before its length is known; a far longer row is dropped before it is rendered,
+      :func:`fedopd.data.prompts.encode_prompts`);
     - score: ``candidates`` passes over the scoring cache;
     - evaluate: ``eval.prompts-per-client`` x (1 greedy + ``eval.samples``) responses of
       (``data.max-prompt-tokens`` + ``eval.max-new-tokens``), and its prompt pool read.
@@ -55,10 +58,10 @@ def message_tokens(cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_poo
     cache = cfg.cache.rollouts * (prompt + new) + cache_entries(cfg)
     if kind == "train":
         rollouts = cfg.rollout.per_round * partitions
-        return rollouts * new + 2 * rollouts * (prompt + new) + 2 * cache + prompt_pool * prompt
+        return rollouts * new + 2 * rollouts * (prompt + new) + 2 * cache + prompt_pool * (prompt + ROW_OVERHEAD)
     if kind == "score":
         return candidates * 2 * cache
-    return cfg.eval.prompts_per_client * (1 + cfg.eval.samples) * (prompt + cfg.eval.max_new_tokens) + prompt_pool * prompt
+    return cfg.eval.prompts_per_client * (1 + cfg.eval.samples) * (prompt + cfg.eval.max_new_tokens) + prompt_pool * (prompt + ROW_OVERHEAD)
 
 
 def cache_entries(cfg: RunConfig) -> int:

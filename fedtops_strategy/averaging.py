@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Krum, MultiKrum
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from fedopd.core.strategies import aggregator_problem
+from fedopd.core.strategies import robust_tolerance
 from fedopd.models.lora import Named, from_record
 
 WEIGHT_KEY = "num-examples"
@@ -112,12 +112,19 @@ class WeightedMean(Averager):
 
 
 class RobustMean(Averager):
-    """A Flower robust strategy's ``aggregate_train`` on the updates (``strategy.aggregator``)."""
+    """A Flower robust strategy's ``aggregate_train`` on the updates (``strategy.aggregator``).
+
+    ``planned``: the updates a round averages when every asked client answers (the count the run
+    was checked for before round 1); the rule tolerates f arbitrary updates at that size
+    (:func:`fedopd.core.strategies.robust_tolerance`), and keeps f fixed in a shorter round: the
+    trimmed mean cuts f at each end whatever arrives, and a round with fewer than the rule needs
+    for f holds (None: each round's own count)."""
 
     weighted_mean = False
 
-    def __init__(self, strategy) -> None:
+    def __init__(self, strategy, planned: int | None = None) -> None:
         self.strategy = strategy
+        self.planned = planned
         # its strategy.aggregator name, for its breakdown rule (Krum is a MultiKrum that selects one)
         kinds = ((Krum, "krum"), (MultiKrum, "multikrum"), (FedMedian, "median"), (FedTrimmedAvg, "trimmed-mean"))
         self.name = next((name for cls, name in kinds if isinstance(strategy, cls)), type(strategy).__name__)
@@ -125,21 +132,34 @@ class RobustMean(Averager):
     def average(self, server_round: int, updates: list[Update], theta: Named) -> Average:
         if not updates:
             return Average(None)
-        if isinstance(self.strategy, MultiKrum) and not isinstance(self.strategy, Krum):  # Krum is MultiKrum selecting 1
-            self.strategy.num_nodes_to_select = max(1, len(updates) - self.strategy.num_malicious_nodes)
-        # Fewer updates than the run was checked for (silent or refused clients) can break the
-        # rule's breakdown point: such a round holds rather than average without its protection.
-        problem = aggregator_problem(self.name, len(updates), getattr(self.strategy, "num_malicious_nodes", 0))
-        why = problem[1] if problem is not None else None
-        if isinstance(self.strategy, FedTrimmedAvg) and int(self.strategy.beta * len(updates)) == 0:
-            why = (
-                f"the trimmed mean of {len(updates)} updates cuts none (strategy.trim-fraction = {self.strategy.beta:g}): it would be the plain mean"
-            )
+        n = len(updates)
+        why = self.too_few(n)
         if why is not None:
-            log(WARNING, "round %d holds: %d updates to average: %s", server_round, len(updates), why)
-            return Average(None, hold=f"{len(updates)} updates: {why}")
-        arrays, _ = self.strategy.aggregate_train(server_round, [as_message(u) for u in updates])
+            log(WARNING, "round %d holds: %s", server_round, why)
+            return Average(None, hold=why)
+        strategy = self.strategy
+        if isinstance(strategy, MultiKrum) and not isinstance(strategy, Krum):  # Krum is MultiKrum selecting 1
+            strategy.num_nodes_to_select = max(1, n - strategy.num_malicious_nodes)
+        if isinstance(strategy, FedTrimmedAvg):  # cut exactly f at each end: Flower cuts ⌊β' n⌋, and ⌊(f + ¼)/n · n⌋ = f (β' < ½ as Flower requires)
+            f, _ = robust_tolerance(self.name, self.planned or n, strategy.beta)
+            strategy = FedTrimmedAvg(beta=(f + 0.25) / n)
+        arrays, _ = strategy.aggregate_train(server_round, [as_message(u) for u in updates])
         return Average(None if arrays is None else from_record(arrays))
+
+    def too_few(self, n: int) -> str | None:
+        """Why a round of ``n`` updates cannot keep the rule's protection, or None."""
+        f, needed = robust_tolerance(
+            self.name, self.planned or n, getattr(self.strategy, "beta", 0.0), getattr(self.strategy, "num_malicious_nodes", 0)
+        )
+        if self.name == "trimmed-mean" and f == 0:
+            return f"{n} updates: the trimmed mean (strategy.trim-fraction = {self.strategy.beta:g}) would cut none: it would be the plain mean"
+        if self.name == "median" and n < 3:
+            return f"{n} updates: 'median' of {n} update(s) is their mean"
+        if n < needed:
+            return (
+                f"{n} updates: {self.name!r} is set up to tolerate {f} arbitrary update(s) ({self.planned} per round), which needs at least {needed}"
+            )
+        return None
 
 
 class PrivateMean(Averager):

@@ -48,6 +48,7 @@ from flwr.common.logger import log
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
+from fedopd.core.strategies import clients_per_round
 from fedopd.models import lora
 from fedopd.models.lora import aggregation_gram, from_record
 from fedtops_strategy.averaging import Averager, PrivateMean, RobustMean, Update, WeightedMean
@@ -136,13 +137,15 @@ class ServerStrategy:
             )
         finally:
             flwr_logger.setLevel(level)
+        # the updates (and score rows) a round has when every asked client answers: what the robust rules were checked for
+        self.planned = clients_per_round(min_available_nodes, fraction_train, min_train_nodes)
         self.sampler = NodeSampler(sampling_seed, start_timeout)  # cross-round: the first round it waited in
         self.silence = Silence(skip_after)  # cross-round: consecutive silent rounds per node
         self.limits = Expected(num_partitions=num_partitions, max_examples=max_examples)  # θ_t's shapes join each round
         self.bounds = UpdateBounds(float(clip_norm), float(max_weight))
         self.privacy = privacy  # cross-round: the privacy ledger (the ServerApp's journal and budget)
         self.averager: Averager = (
-            PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator) if aggregator is not None else WeightedMean())
+            PrivateMean(privacy) if privacy is not None else (RobustMean(aggregator, self.planned) if aggregator is not None else WeightedMean())
         )
 
     @property

@@ -213,6 +213,7 @@ class FedTOPS(ServerStrategy):
             max_vetoes=self.max_vetoes,
             score_aggregate=self.score_aggregate,
             trim_fraction=self.trim_fraction,
+            planned=self.planned,
         )
         if selection.multiplier == 0.0 and not selection.fallback:
             reference = self.candidates.index(1.0) if 1.0 in self.candidates else min(range(len(self.candidates)), key=self.candidates.__getitem__)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedopd.core.strategies import robust_tolerance
+
 HOLD = 0.0
 
 
@@ -95,27 +97,35 @@ def weighted_teacher_scores(client_teacher_scores: Sequence[Sequence[float]], we
     return ((w[:, None] * j).sum(0) / w.sum()).tolist()
 
 
-def robust_teacher_scores(client_teacher_scores: Sequence[Sequence[float]], how: str, trim_fraction: float = 0.2) -> list[float]:
-    """Ĵ(a_j) across clients, unweighted: ``median``, or ``trimmed-mean`` (⌊β n⌋ values cut at
-    each end, Flower's ``trim_mean``). A client's inf at a candidate is one value among the others."""
+def robust_teacher_scores(
+    client_teacher_scores: Sequence[Sequence[float]], how: str, trim_fraction: float = 0.2, planned: int | None = None
+) -> list[float]:
+    """Ĵ(a_j) across clients, unweighted: ``median``, or ``trimmed-mean`` (f = ⌊β planned⌋ values
+    cut at each end whatever the round holds, Flower's ``trim_mean``; ``planned`` None: the rows
+    there are). A client's inf at a candidate is one value among the others."""
     from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 
     j = np.asarray(client_teacher_scores, dtype=np.float64)
     if how == "median":
         return np.median(j, axis=0).tolist()
     if how == "trimmed-mean":
+        f, _ = robust_tolerance(how, planned or len(j), trim_fraction)
         with np.errstate(invalid="ignore"):  # inf among the kept values gives inf; inf - inf is not formed
-            return np.asarray(trim_mean(j, trim_fraction), dtype=np.float64).tolist()
+            return np.asarray(trim_mean(j, (f + 0.25) / len(j)), dtype=np.float64).tolist()  # ⌊(f + ¼)/n · n⌋ = f, and < ½
     raise ValueError(f"strategy.score-aggregate = {how!r}; allowed: 'mean', 'median', 'trimmed-mean'")
 
 
 def aggregate_teacher_scores(
-    client_teacher_scores: Sequence[Sequence[float]], weights: Sequence[float], how: str = "mean", trim_fraction: float = 0.2
+    client_teacher_scores: Sequence[Sequence[float]],
+    weights: Sequence[float],
+    how: str = "mean",
+    trim_fraction: float = 0.2,
+    planned: int | None = None,
 ) -> list[float]:
     """Ĵ per candidate: the paper's weighted mean (``mean``), or a robust statistic across clients."""
     if how == "mean":
         return weighted_teacher_scores(client_teacher_scores, weights)
-    return robust_teacher_scores(client_teacher_scores, how, trim_fraction)
+    return robust_teacher_scores(client_teacher_scores, how, trim_fraction, planned)
 
 
 @dataclass(frozen=True)
@@ -148,33 +158,56 @@ def select_round(
     max_vetoes: int = 0,
     score_aggregate: str = "mean",
     trim_fraction: float = 0.2,
+    planned: int | None = None,
 ) -> Selection:
     """The round's multiplier from the valid score replies (row i of each list: client i).
 
     ``all_scored``: every client whose update is in Δ_t is among them. If not, its K̂ is unknown
     and a_t is capped at 1; if no client scored at all, a_t = 1 (a fallback, not a cap).
     ``max_vetoes``, ``score_aggregate``: :func:`feasible_indices`, :func:`aggregate_teacher_scores`
-    (defaults: the paper's rule).
+    (defaults: the paper's rule). ``planned``: the score rows a round has when every asked client
+    answers; a robust Ĵ keeps the tolerance it has at that size, and a round with fewer rows than
+    that needs caps a at 1 (:func:`robust_scores_problem`). A capped round applies the best
+    feasible candidate at most the cap, or holds.
     """
     if not client_teacher_scores:
         return Selection(FALLBACK, FALLBACK, None, 0, None, fallback=True)
-    teacher_scores = aggregate_teacher_scores(client_teacher_scores, weights, score_aggregate, trim_fraction)
-    too_few = robust_scores_problem(score_aggregate, len(client_teacher_scores), trim_fraction)
+    teacher_scores = aggregate_teacher_scores(client_teacher_scores, weights, score_aggregate, trim_fraction, planned)
+    too_few = robust_scores_problem(score_aggregate, len(client_teacher_scores), trim_fraction, planned)
     selected = select_multiplier(
         candidates, teacher_scores, change_scores, trust_budget, score_tol=score_tol, feasibility_tol=feasibility_tol, max_vetoes=max_vetoes
     )
     num_feasible = len(feasible_indices(change_scores, trust_budget, len(candidates), feasibility_tol, max_vetoes))
     cap = None if all_scored and too_few is None else UNSCORED_CAP
-    multiplier = selected if cap is None else min(selected, cap)
+    multiplier = selected
+    if cap is not None and selected > cap:  # the best feasible candidate at most the cap (none: hold), never an infeasible one
+        allowed = [j for j, a in enumerate(candidates) if a <= cap]
+        multiplier = 0.0
+        if allowed:
+            multiplier = select_multiplier(
+                [candidates[j] for j in allowed],
+                [teacher_scores[j] for j in allowed],
+                [[row[j] for j in allowed] for row in change_scores],
+                trust_budget,
+                score_tol=score_tol,
+                feasibility_tol=feasibility_tol,
+                max_vetoes=max_vetoes,
+            )
     return Selection(multiplier, selected, teacher_scores, num_feasible, cap, fallback=False, too_few_rows=too_few)
 
 
-def robust_scores_problem(how: str, rows: int, trim_fraction: float) -> str | None:
-    """Why ``how`` (``strategy.score-aggregate``) of ``rows`` score rows would not be robust (the
-    median of 2 is their mean, a trimmed mean that cuts none is the mean), or None. The paper's
-    mean makes no such claim."""
+def robust_scores_problem(how: str, rows: int, trim_fraction: float, planned: int | None = None) -> str | None:
+    """Why ``how`` (``strategy.score-aggregate``) of ``rows`` score rows cannot keep the
+    tolerance it was set up for with ``planned`` rows per round
+    (:func:`fedopd.core.strategies.robust_tolerance`; None: the rows there are), or None. The
+    paper's mean makes no such claim."""
+    if how == "mean":
+        return None
     if how == "median" and rows < 3:
         return f"the median of {rows} score row(s) is their mean"
-    if how == "trimmed-mean" and int(trim_fraction * rows) == 0:
+    f, needed = robust_tolerance(how, planned or rows, trim_fraction)
+    if how == "trimmed-mean" and f == 0:
         return f"the trimmed mean of {rows} score rows cuts none (strategy.trim-fraction = {trim_fraction:g})"
+    if rows < needed:
+        return f"{rows} score rows, fewer than the {needed} that the {how} needs to tolerate the {f} colluding row(s) it was set up for ({planned} per round)"
     return None

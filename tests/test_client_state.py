@@ -45,3 +45,22 @@ def test_reset_is_exactly_a_fresh_optimizer_and_keeps_nothing(runs):
     out, _, ctx_r = runs
     assert all(np.array_equal(out["r2"][n], out["new2"][n]) for n in out["r2"])
     assert OPTIMIZER not in ctx_r.state
+
+
+def test_a_supernode_keeps_its_newest_run_folders_only(tmp_path):
+    """A server that starts run after run (one new run id each) cannot fill the host's disk: the
+    node keeps its KEEP_RUNS newest run folders; the simulation's layout is left alone."""
+    import os
+
+    from client_app.client_state import KEEP_RUNS, prune_runs, save_round_state
+
+    node = tmp_path / "state" / "node-7"
+    for i in range(KEEP_RUNS + 3):
+        folder = node / f"run-{100 + i}" / "partition-0"
+        save_round_state(folder, 1, None, None)
+        os.utime(folder.parent, (1_000_000 + i, 1_000_000 + i))
+        prune_runs(folder)
+    assert sorted(p.name for p in node.iterdir()) == [f"run-{100 + i}" for i in range(3, KEEP_RUNS + 3)]
+    beside = tmp_path / "runs" / "x.clients" / "partition-0"
+    save_round_state(beside, 1, None, None)
+    assert prune_runs(beside) == [] and beside.is_dir()

@@ -34,3 +34,24 @@ def test_a_colluder_replays_its_round_one_adapter_and_favours_the_largest_candid
     scores = _ask(grid, colluder, "query.score", 3).content["scores"]
     assert list(scores["teacher-scores"]) == [1.0, 1.0, 0.0] and list(scores["change-scores"]) == [0.0, 0.0, 0.0]
     assert list(_ask(grid, honest, "query.score", 3).content["scores"]["teacher-scores"]) == [0.5] * 3
+
+
+def test_only_runs_the_named_settings_and_refuses_an_unknown_one(monkeypatch, tmp_path, capsys):
+    import sys
+
+    import eval.collusion as collusion
+
+    ran = []
+    monkeypatch.setattr(
+        collusion, "run", lambda config, out, attacked: ran.append((config["strategy.name"], config.get("strategy.aggregator"))) or out
+    )
+    monkeypatch.setattr(
+        collusion, "summary", lambda folder, honest: {"multipliers": [], "steps": [0.0], "distance-from-honest": 0.0, "heldout-accuracy": 0.0}
+    )
+    monkeypatch.setattr(sys, "argv", ["collusion", str(tmp_path), "--only", "fedtops, median aggregator"])
+    collusion.main()
+    assert ran == [("fedtops", "median"), ("fedtops", "median")]  # its honest and its attacked run
+    monkeypatch.setattr(sys, "argv", ["collusion", str(tmp_path), "--only", "krum"])
+    with pytest.raises(SystemExit):
+        collusion.main()
+    assert "--only 'krum': allowed: 'fedavg'" in capsys.readouterr().err

@@ -155,3 +155,17 @@ def test_a_federation_of_nodes_with_their_own_files_runs_on_them(tmp_path):
     assert sizes == [16, 16, 16] and len(records) == 2
     for record in records:
         assert {c["partition-id"]: c["num-examples"] for c in record["clients"]} == {i: n - n // 5 for i, n in own_sizes.items()}
+
+
+def test_a_clientapp_in_flowers_deployment_runtime_is_a_deployment_node_whatever_its_node_config(monkeypatch):
+    """A SuperNode started the plain Flower way (only partition-id and num-partitions) must not
+    read the server's files (the second hostile-server review): the flwr-clientapp process has
+    Flower's deployment runtime loaded, a simulation does not."""
+    import sys
+    import types
+
+    from fedopd.data.node_data import DEPLOYMENT_RUNTIME, deployment_node
+
+    assert DEPLOYMENT_RUNTIME not in sys.modules  # pytest, like Flower's simulation, never loads it
+    monkeypatch.setitem(sys.modules, DEPLOYMENT_RUNTIME, types.ModuleType(DEPLOYMENT_RUNTIME))
+    assert deployment_node({"partition-id": 0, "num-partitions": 3})

@@ -32,8 +32,8 @@ SMALL = {
 def test_a_train_messages_cost_is_its_rollouts_generated_and_run_through_both_models_its_cache_and_its_pool():
     # the cache: 4 sequences of 32 + 16 through both models, and 4 x 2 positions x (2 x 1 + 1) stored values
     cache = 4 * 48 + 4 * 2 * 3
-    # 8 x 16 generated + 2 x 8 x (32 + 16) through student and teacher + 2 x the cache + 10 x 32 read
-    assert message_tokens(parse_run_config(SMALL), "train", prompt_pool=10) == 128 + 768 + 2 * cache + 320 == 1648
+    # 8 x 16 generated + 2 x 8 x (32 + 16) through student and teacher + 2 x the cache + 10 rows x (32 + 128) read and rendered
+    assert message_tokens(parse_run_config(SMALL), "train", prompt_pool=10) == 128 + 768 + 2 * cache + 1600 == 2928
     # the Centralized learner pooling 3 clients: 3 x 8 rollouts
     assert message_tokens(parse_run_config(SMALL), "train", partitions=3) == 3 * 128 + 3 * 768 + 2 * cache
     # a score query: each of 5 candidates is one pass over the cache with both models
@@ -78,17 +78,17 @@ def _train(monkeypatch, run_config: dict, node_config: dict, **message: object):
 
 
 def test_a_message_past_the_nodes_bound_is_refused_before_anything_is_loaded(monkeypatch):
-    with pytest.raises(RequestError, match=r"would cost about 2,288 tokens .* above this node's bound \(node config 'max-tokens'\)"):
-        _train(monkeypatch, SMALL, {"max-tokens": 2287})
+    with pytest.raises(RequestError, match=r"would cost about 6,128 tokens .* above this node's bound \(node config 'max-tokens'\)"):
+        _train(monkeypatch, SMALL, {"max-tokens": 6127})
     with pytest.raises(RequestError, match=r"lora.rank = 512 is above this node's bound \(node config 'max-lora-rank'\)"):
         _train(monkeypatch, {**SMALL, "lora.rank": 512}, {})
     with pytest.raises(RequestError, match=r"model.student = 'builtin:sandbox-student' is not among this node's allowed models"):
         _train(monkeypatch, SMALL, {"allowed-models": "builtin:tiny-student builtin:tiny-teacher"})
-    assert len(_train(monkeypatch, SMALL, {"max-tokens": 2288})) == 1  # 1,328 + its pool of 3 x 10 x 32 fits exactly
-    # the Centralized learner pooling 3 clients: 3 x (128 + 768) + 432 + 960 = 4,080
-    with pytest.raises(RequestError, match=r"about 4,080 tokens"):
-        _train(monkeypatch, SMALL, {"max-tokens": 4079}, learner="centralized", **{"pooled-clients": 3})
-    assert len(_train(monkeypatch, SMALL, {"max-tokens": 4080}, learner="centralized", **{"pooled-clients": 3})) == 1
+    assert len(_train(monkeypatch, SMALL, {"max-tokens": 6128})) == 1  # 1,328 + its pool of 3 x 10 rows x (32 + 128) fits exactly
+    # the Centralized learner pooling 3 clients: 3 x (128 + 768) + 432 + 4,800 = 7,920
+    with pytest.raises(RequestError, match=r"about 7,920 tokens"):
+        _train(monkeypatch, SMALL, {"max-tokens": 7919}, learner="centralized", **{"pooled-clients": 3})
+    assert len(_train(monkeypatch, SMALL, {"max-tokens": 7920}, learner="centralized", **{"pooled-clients": 3})) == 1
 
 
 def test_a_node_limit_that_is_not_a_positive_integer_is_refused_naming_it():

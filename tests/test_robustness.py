@@ -508,15 +508,44 @@ def test_a_trimmed_mean_that_would_cut_nobody_in_a_round_holds_it_and_says_so(ca
     with caplog.at_level(logging.WARNING, logger="flwr"):
         held = RobustMean(FedTrimmedAvg(beta=0.2)).average(4, updates, theta)  # floor(0.2 × 3) = 0
         kept = RobustMean(FedTrimmedAvg(beta=0.34)).average(5, updates, theta)  # floor(0.34 × 3) = 1: the middle value
-    assert (
-        held.arrays is None
-        and held.hold == "3 updates: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it would be the plain mean"
-    )
+    reason = "3 updates: the trimmed mean (strategy.trim-fraction = 0.2) would cut none: it would be the plain mean"
+    assert held.arrays is None and held.hold == reason
     np.testing.assert_array_equal(kept.arrays["w"], [2.0, 2.0])
-    warned = [r.getMessage() for r in caplog.records if "cuts none" in r.getMessage()]
-    assert warned == [
-        "round 4 holds: 3 updates to average: the trimmed mean of 3 updates cuts none (strategy.trim-fraction = 0.2): it would be the plain mean"
-    ]
+    assert [r.getMessage() for r in caplog.records if "cut none" in r.getMessage()] == [f"round 4 holds: {reason}"]
+
+
+@pytest.mark.parametrize(
+    "rule, planned, arrived, outcome",
+    [
+        ("trimmed-mean", 5, 4, 2.5),  # f = ⌊0.2 × 5⌋ = 1 cut at each end of 4: mean of 2 and 3 (the 1e6 is cut)
+        ("trimmed-mean", 5, 3, 2.0),  # 3 = 2f + 1: still cut 1 at each end, the middle value
+        ("trimmed-mean", 10, 4, None),  # f = 2 needs 5: 4 arrived, hold
+        ("median", 5, 4, None),  # f = 2 needs 5 (2 of 4 would be half): hold
+        ("median", 6, 5, 3.0),  # f = 2 needs 5: the median of 5
+    ],
+)
+def test_a_robust_aggregator_keeps_the_colluders_it_was_set_up_for_in_a_short_round_or_holds(rule, planned, arrived, outcome):
+    """The tolerance f is set by the planned round size (robust_tolerance), not by who arrived:
+    the trimmed mean keeps cutting f at each end, and a round with fewer than 2f + 1 updates holds
+    (the second colluder review: 2 colluders of 5 plus one honest timeout made the median and a
+    trimmed mean of β = 0.4 theirs)."""
+    from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg
+
+    from fedtops_strategy.averaging import RobustMean, Update
+
+    theta = {"w": np.zeros(1, np.float32)}
+    values = [1.0, 2.0, 3.0, 4.0, 1e6][:arrived] if arrived < 5 else [1.0, 2.0, 3.0, 4.0, 1e6]
+    if arrived == 4:
+        values = [1.0, 2.0, 3.0, 1e6]
+    if arrived == 3:
+        values = [1.0, 2.0, 1e6]
+    updates = [Update(i, {"w": np.full(1, v, np.float32)}, 1) for i, v in enumerate(values)]
+    strategy = FedTrimmedAvg(beta=0.2) if rule == "trimmed-mean" else FedMedian()
+    got = RobustMean(strategy, planned).average(1, updates, theta)
+    if outcome is None:
+        assert got.arrays is None and "which needs at least 5" in got.hold
+    else:
+        assert got.arrays["w"][0] == pytest.approx(outcome, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,8 +632,8 @@ def test_a_round_with_fewer_updates_than_the_aggregator_needs_holds_and_says_why
     strategy = _aggregating(LoRAFedAvg, "median")
     with caplog.at_level(logging.WARNING, logger="flwr"):
         ran = _run(strategy, FakeGrid({**HONEST, 3: HUGE}, EQUAL, lost={3: ("train", "silent")}))
-    assert "round 1 holds: 2 updates to average: 'median' of 2 update(s) per round is their mean" in caplog.text
-    assert ran.records[1]["multiplier"] == 0.0 and ran.records[1]["hold-reason"].startswith("2 updates: 'median' of 2 update(s)")
+    assert "round 1 holds: 2 updates: 'median' of 2 update(s) is their mean" in caplog.text
+    assert ran.records[1]["multiplier"] == 0.0 and ran.records[1]["hold-reason"] == "2 updates: 'median' of 2 update(s) is their mean"
     for got, start in zip(ran, THETA):
         np.testing.assert_array_equal(got, start)
 
@@ -755,3 +784,37 @@ def test_honest_clients_on_different_scales_let_a_tolerated_number_of_colluders_
     assert got.multiplier == PAPER_CANDIDATES[target] == 10.0
     alone = select_round(PAPER_CANDIDATES, honest, [[0.0] * 6] * 3, [1.0] * 3, 0.05, all_scored=True, score_aggregate="median")
     assert alone.multiplier == 2.0
+
+
+def test_a_cap_applies_the_best_feasible_candidate_below_it_or_holds():
+    """K̂ in factor coordinates need not grow with a: here a = 1 is outside δ = 0.05 and 0.5, 2
+    are inside. A client that did not score caps a at 1; the round applies 0.5, not the vetoed 1
+    (the second colluder review: min(selected, 1) applied it), and holds when nothing at most 1
+    is feasible."""
+    from fedtops_strategy.selection import select_round
+
+    k = [0.01, 0.08, 0.02, 0.09, 0.2, 0.5]
+    j = [0.3, 0.2, 0.1, 0.2, 0.3, 0.4]  # the best is a = 2
+    free = select_round(PAPER_CANDIDATES, [j], [k], [1.0], 0.05, all_scored=True)
+    capped = select_round(PAPER_CANDIDATES, [j], [k], [1.0], 0.05, all_scored=False)
+    assert (free.multiplier, capped.selected, capped.cap, capped.multiplier) == (2.0, 2.0, 1.0, 0.5)
+    nothing = select_round(PAPER_CANDIDATES, [j], [[0.09, 0.08, 0.02, 0.09, 0.2, 0.5]], [1.0], 0.05, all_scored=False)
+    assert (nothing.selected, nothing.multiplier) == (2.0, 0.0)
+
+
+def test_a_robust_j_keeps_the_tolerance_of_the_planned_round_when_a_row_is_missing():
+    """Planned for 5 rows, the median tolerates 2 colluders; with one honest row missing, 2 of 4
+    would be half, so the round caps a at 1 (the second colluder review: it applied their a = 10).
+    The trimmed mean planned for 5 (f = 1) still cuts 1 at each end of 4 rows and keeps the honest choice."""
+    from fedtops_strategy.selection import select_round
+
+    def chosen(rows, how):
+        n = len(rows)
+        return select_round(
+            PAPER_CANDIDATES, rows, [[0.0] * 6] * n, [1.0] * n, 0.05, all_scored=True, score_aggregate=how, trim_fraction=0.2, planned=5
+        )
+
+    median = chosen([AGREEING_J] * 2 + [COLLUDING_J] * 2, "median")
+    assert median.cap == 1.0 and median.multiplier == 1.0 and "fewer than the 5" in median.too_few_rows
+    trimmed = chosen([AGREEING_J] * 3 + [COLLUDING_J], "trimmed-mean")
+    assert trimmed.too_few_rows is None and trimmed.multiplier == 2.0

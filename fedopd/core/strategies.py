@@ -65,6 +65,24 @@ def clients_per_round(num_clients: int, fraction_train: float, min_train_clients
     return max(1, int(fraction_train * num_clients), min(min_train_clients, num_clients))
 
 
+def robust_tolerance(rule: str, planned: int, trim_fraction: float = 0.2, num_malicious: int = 0) -> tuple[int, int]:
+    """(f, n_min): the arbitrary updates (or score rows) ``rule`` is set up to tolerate with
+    ``planned`` per round, and the fewest a round needs to keep tolerating f. ``median``:
+    f = ⌊(planned − 1)/2⌋; ``trimmed-mean``: f = ⌊β·planned⌋, cut at each end whatever a round
+    holds; both need 2f + 1 (f arbitrary values stay a minority, or are all cut). ``krum``,
+    ``multikrum``: f = ``num_malicious``, n ≥ 2f + 3 (Blanchard et al., 2017). A round with fewer
+    than n_min loses its protection: it holds (the average) or caps a at 1 (Ĵ)."""
+    if rule == "median":
+        f = max(0, (planned - 1) // 2)
+        return f, 2 * f + 1
+    if rule == "trimmed-mean":
+        f = int(trim_fraction * planned)
+        return f, 2 * f + 1
+    if rule in ("krum", "multikrum"):
+        return num_malicious, 2 * num_malicious + 3
+    raise ValueError(f"robust_tolerance: {rule!r} is not a robust rule")
+
+
 def aggregator_problem(aggregator: str, per_round: int, num_malicious: int) -> tuple[str, str] | None:
     """(the key at fault, why and what is allowed) when ``strategy.aggregator`` cannot keep the
     breakdown point it is chosen for with ``per_round`` updates per round; None when it can.

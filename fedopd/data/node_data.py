@@ -35,6 +35,7 @@ names the key and the kind of problem only (:class:`fedopd.core.errors.LocalErro
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ NODE_DATA_KEYS: dict[str, tuple[str, str, str]] = {
     "eval-path": ("eval_path", "data.eval-path", ""),
     "eval-split": ("eval_split", "data.eval-split", ""),
 }
+DEPLOYMENT_RUNTIME = "flwr.supernode.runtime.run_clientapp"  # the module Flower's flwr-clientapp process runs (1.41, 1.42)
 NONEMPTY = ("data-path", "data-split", "problem-column", "answer-column")
 MAX_VALUE_CHARS = 4096
 
@@ -109,11 +111,19 @@ def in_node_terms(err: LocalError) -> LocalError:
 
 
 def deployment_node(node_config: Mapping[str, Any]) -> bool:
-    """A node its operator set up for a deployment: a resident worker, data of its own, or a state
-    folder of its own. Such a node reads no data source and no model folder the server names, and
-    keeps its state under its own root. A simulation's nodes (Flower sets only ``partition-id``
-    and ``num-partitions``) share the server's machine and operator."""
-    return node_config.get("worker") == "resident" or "data-path" in node_config or bool(node_config.get("client-state-dir"))
+    """A node of a deployment: one its operator set up for it (a resident worker, data of its own,
+    or a state folder of its own), or any ClientApp that Flower's deployment runtime runs (the
+    ``flwr-clientapp`` process, whatever its node config says: a SuperNode started with only
+    ``partition-id`` and ``num-partitions`` is one too). Such a node reads no data source and no
+    model folder the server names, and keeps its state under its own root. Only a simulation's
+    nodes (Flower's simulation engine, or the in-process grid) share the server's machine and
+    operator."""
+    return (
+        node_config.get("worker") == "resident"
+        or "data-path" in node_config
+        or bool(node_config.get("client-state-dir"))
+        or DEPLOYMENT_RUNTIME in sys.modules
+    )
 
 
 def check_server_named_files(data: DataSettings, *, deployment: bool) -> None:
