@@ -818,3 +818,17 @@ def test_a_robust_j_keeps_the_tolerance_of_the_planned_round_when_a_row_is_missi
     assert median.cap == 1.0 and median.multiplier == 1.0 and "fewer than the 5" in median.too_few_rows
     trimmed = chosen([AGREEING_J] * 3 + [COLLUDING_J], "trimmed-mean")
     assert trimmed.too_few_rows is None and trimmed.multiplier == 2.0
+
+
+def test_fedtops_scores_with_the_tolerance_of_its_planned_round():
+    """Five nodes planned, median Ĵ (f = 2); node 5 misses the train deadline (so every node in
+    Δ_t scores: no unscored cap), and 2 of the 4 rows collude: a median of 4 rows would be theirs
+    (a = 10); the planned tolerance caps a at 1."""
+    updates = {n: HONEST[1] for n in range(1, 6)}
+    honest, colluding = ([0.5, 0.4, 0.3, 0.35, 0.45, 0.6], [0.0] * 6), ([1.0] * 5 + [0.0], [0.0] * 6)
+    scores = {1: honest, 2: honest, 3: colluding, 4: colluding, 5: honest}
+    strategy = FedTOPS(score_aggregate="median", **_common(5))
+    new = _run(strategy, FakeGrid(updates, dict.fromkeys(updates, 1), scores, lost={5: ("train", "silent")}))
+    record = new.records[1]
+    assert record["unscored-node-ids"] == []
+    assert record["selected-multiplier"] == 10.0 and record["multiplier-cap"] == 1.0 and record["multiplier"] == 1.0
