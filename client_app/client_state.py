@@ -76,9 +76,10 @@ def client_state_dir(
     root = node_state_root(node_config)
     if root is not None:
         if resume:
-            run_id = config.get("resume-run")
-            if not (isinstance(run_id, int) and not isinstance(run_id, bool) and 0 <= run_id <= MAX_RUN_ID):
-                raise RequestError(f"train message: 'resume-run' = {run_id!r}; allowed: a run id, an integer in [0, 2**64)")
+            named = config.get("resume-run")  # a decimal string: run ids are unsigned 64-bit, past a ConfigRecord's int64
+            if not (isinstance(named, str) and named.isascii() and named.isdigit() and len(named) <= 20 and int(named) <= MAX_RUN_ID):
+                raise RequestError(f"train message: 'resume-run' = {named!r}; allowed: a run id, a decimal string of an integer in [0, 2**64)")
+            run_id = int(named)
         return root / f"node-{int(node_id)}" / f"run-{int(run_id)}" / f"partition-{partition_id}"
     run = Path(str(run_dir))
     if not RUN_NAME.match(run.name):

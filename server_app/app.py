@@ -307,7 +307,7 @@ def round_config(run: RunFolder, server_round: int, done: int) -> ConfigRecord:
         config["resume-round"] = done
         previous = run.flower_run_of(done)
         if previous is not None:  # a SuperNode keeps its state under the run id that saved it
-            config["resume-run"] = previous
+            config["resume-run"] = str(previous)  # run ids are unsigned 64-bit: past a ConfigRecord's int64
     return config
 
 

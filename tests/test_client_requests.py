@@ -113,13 +113,18 @@ def test_pooling_more_clients_than_partitions_or_a_round_past_the_run_is_refused
 @given(
     st.dictionaries(
         st.sampled_from(["run-dir", "resume-run", "resume-round"]),
-        st.one_of(st.text(max_size=60), st.integers(-(2**65), 2**65), st.booleans(), st.floats(allow_nan=True)),
+        st.one_of(
+            st.text(max_size=60), st.integers(-(2**65), 2**65), st.integers(-(2**65), 2**65).map(str), st.booleans(), st.floats(allow_nan=True)
+        ),
     ),
     st.sampled_from([{"client-state-dir": "/state"}, {"worker": "resident"}]),
     st.integers(0, 2**64 - 1),
     st.booleans(),
 )
-@example({"run-dir": "runs/..", "resume-run": 5}, {"client-state-dir": "/state"}, 7, True)
+@example({"run-dir": "runs/..", "resume-run": "5"}, {"client-state-dir": "/state"}, 7, True)
+@example({"run-dir": "r", "resume-run": str(2**64 - 1)}, {"worker": "resident"}, 7, True)
+@example({"run-dir": "r", "resume-run": str(2**64)}, {"worker": "resident"}, 7, True)
+@example({"run-dir": "r", "resume-run": 5}, {"worker": "resident"}, 7, True)
 def test_a_supernodes_state_folder_is_keyed_by_the_superlinks_run_id_whatever_the_message_says(config, node_config, run_id, resume):
     """On a SuperNode (``client-state-dir``, or a resident worker's host cache) a client's state
     folder is ``<root>/node-<id>/run-<id>/partition-<i>``: the ids the SuperLink assigned, or for a
@@ -139,8 +144,8 @@ def test_a_supernodes_state_folder_is_keyed_by_the_superlinks_run_id_whatever_th
     if not config.get("run-dir"):
         assert folder is None
         return
-    named = config.get("resume-run") if resume else run_id
-    assert type(named) is int and folder == root / "node-9" / f"run-{named}" / "partition-1"
+    named = config.get("resume-run") if resume else str(run_id)
+    assert type(named) is str and folder == root / "node-9" / f"run-{int(named)}" / "partition-1"
 
 
 def test_a_run_dir_that_would_leave_the_simulations_run_folder_is_refused():

@@ -166,7 +166,7 @@ def test_the_client_state_folder_is_beside_the_run_in_simulation_and_on_the_host
         client_state_dir(config, {"data-path": "/data/ours.jsonl"}, 2, 77, node_id=5)
         == tmp_path / "cache" / "client-state" / "node-5" / "run-77" / "partition-2"
     )
-    resumed = {**config, "resume-run": 76}
+    resumed = {**config, "resume-run": "76"}
     assert client_state_dir(resumed, {"client-state-dir": "/state"}, 1, 77, node_id=5, resume=True) == Path("/state/node-5/run-76/partition-1")
     assert client_state_dir({}, {}, 0) is None
 
