@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedopd.core.strategies import capabilities
 from server_app.traffic import PHASES, human_bytes, run_traffic, totals
 
 FIGURE = "progress.png"
@@ -185,11 +186,11 @@ def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, s
     """A few lines for the end of a run: rounds, multipliers, held-out accuracy, the bytes sent to
     and received from the clients (in all and by phase), the folder."""
     trained = [r for r in records if r["round"] > 0]
-    lines = [f"FedTOPS summary: {len(trained)} rounds of {strategy} in {seconds:.0f} s"]
+    lines = [f"Run summary: {len(trained)} round{'' if len(trained) == 1 else 's'} of {strategy} in {seconds:.0f} s"]
     multipliers = [r.get("multiplier") for r in trained]
     if any(a is not None for a in multipliers):
         shown = ", ".join("-" if a is None else f"{a:g}" for a in multipliers)
-        lines.append(f"  selected multipliers: {shown}")
+        lines.append(f"  {'selected ' if capabilities(strategy).score_phase else ''}multipliers: {shown}")  # chosen by a score phase, or fixed
     evaluated = [r for r in records if "accuracy" in (r.get("evaluation") or {})]
     if evaluated:
         first, last = evaluated[0], evaluated[-1]

@@ -37,7 +37,8 @@ def folder_status(folder: Path) -> tuple[int, str]:
         return 2, f"'{folder}' is not a run folder (no config.json)"
     state = read_status(folder)
     status = state.get("status", "unknown")
-    line = f"{folder}: {status}, {state.get('rounds-done', '?')} rounds complete"
+    done = state.get("rounds-done", "?")
+    line = f"{folder}: {status}, {done} round{'' if done == 1 else 's'} recorded"
     if "error" in state:
         line += f": {state['error']}"
     if status == "unknown":

@@ -114,7 +114,7 @@ def test_flwr_run_on_the_default_sandbox_preset_records_held_out_evaluation_from
     assert (folders[0] / "progress.png").read_bytes()[:4] == b"\x89PNG"
     for pid in range(3):  # progress: each client's reply, as it arrives, with its phases
         assert f"client {pid} trained: " in log and f"client {pid} scored 6 candidates" in log
-    assert "FedTOPS summary: 2 rounds of fedtops" in log
+    assert "Run summary: 2 rounds of fedtops" in log
     assert "Loading weights" not in log  # no transformers loading bar from the server or the clients
     rounds = [json.loads(line) for line in (folders[0] / "rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]  # round 0: the initial adapter, evaluated

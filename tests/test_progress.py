@@ -53,11 +53,17 @@ def test_round_scalars_are_the_client_means_the_selected_score_and_the_evaluatio
 def test_the_summary_names_rounds_multipliers_accuracy_and_folder(tmp_path):
     lines = run_summary(RECORDS, "fedtops", tmp_path, 12.3)
     assert lines == [
-        "FedTOPS summary: 2 rounds of fedtops in 12 s",
+        "Run summary: 2 rounds of fedtops in 12 s",
         "  selected multipliers: 3, 0",
         "  held-out greedy accuracy: 38.5% (round 0) -> 40.6% (round 2)",
         f"  run folder: {tmp_path}",
     ]
+
+
+def test_the_summary_is_named_for_no_strategy_and_counts_one_round_as_one(tmp_path):
+    """FedAvg's summary does not say FedTOPS, and its multipliers were not selected (issue 49)."""
+    fedavg = [{"round": 1, "multiplier": 1.0}]
+    assert run_summary(fedavg, "fedavg", tmp_path, 3.0)[:2] == ["Run summary: 1 round of fedavg in 3 s", "  multipliers: 1"]
 
 
 def test_the_figure_is_a_png_written_whole(tmp_path):
@@ -101,7 +107,15 @@ def test_run_status_exit_codes(tmp_path, state, code):
     assert got == code
     if state and "error" in state:
         assert "X: y" in line
+    if state and "rounds-done" in state:
+        assert line.endswith(": running, 3 rounds recorded")
     assert folder_status(tmp_path / "nothing")[0] == 2
+
+
+def test_a_run_that_recorded_one_round_says_one_round(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "status.json").write_text(json.dumps({"status": "failed", "rounds-done": 1, "error": "no client returned a valid update"}))
+    assert folder_status(tmp_path)[1] == f"{tmp_path}: failed, 1 round recorded: no client returned a valid update"
 
 
 def test_a_reply_becomes_one_progress_line(task_identity):
