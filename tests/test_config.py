@@ -181,3 +181,22 @@ def test_an_infinite_trust_budget_parses_and_survives_config_json(tmp_path):
     written = json.loads(json.dumps(_jsonable(resolved)))  # config.json has no Infinity literal
     assert written["strategy.trust-budget"] == "inf"
     assert parse_run_config(written).to_run_config() == resolved
+
+
+def test_a_local_data_path_that_does_not_exist_is_refused_before_round_one_naming_its_key(tmp_path, capsys):
+    """Before (issue 49): it passed the offline check, started the run and failed in every client
+    with pages of traces. The offline check and the ServerApp (check_server_requirements) refuse
+    it; a hub id and an existing file pass; nothing is read for a hub id."""
+    from fedopd.config import check_server_requirements
+    from fedopd.config.presets import main
+
+    missing = tmp_path / "nope.jsonl"
+    for key, value in (("data.path", str(missing)), ("data.path", "./nope/"), ("data.eval-path", "~/nope.csv")):
+        cfg = parse_run_config({"data.name": "prompts", "data.partitioner": "iid", "data.path": "owner/set", key: value})
+        with pytest.raises(ConfigError, match=f"run config '{key}' = .* is a local path that does not exist on this host"):
+            check_server_requirements(cfg)
+    assert main(["--run-config", f"data.name='prompts' data.partitioner='iid' data.path='{missing}'"]) == 1
+    assert "run config 'data.path'" in capsys.readouterr().err
+    missing.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n')
+    check_server_requirements(parse_run_config({"data.name": "prompts", "data.partitioner": "iid", "data.path": str(missing)}))
+    check_server_requirements(parse_run_config({"data.name": "prompts", "data.partitioner": "iid", "data.path": "owner/set"}))

@@ -188,8 +188,20 @@ TRACKER_PACKAGES = (
 
 
 def check_server_requirements(cfg: RunConfig) -> None:
-    """What the ServerApp's host needs beyond the core install, checked before round 1."""
+    """What the ServerApp's host needs beyond the core install, checked before round 1, and the
+    data files a simulation's clients read from this host: a ``data.path`` or ``data.eval-path``
+    written as a local path must exist here (a SuperNode never reads them: docs/deployment.md)."""
     import importlib.util
+    from pathlib import Path
+
+    from fedopd.data.prompt_files import looks_local
+
+    for key, value in (("data.path", cfg.data.path), ("data.eval-path", cfg.data.eval_path)):
+        if value and cfg.data.name in ("prompts", "math") and looks_local(value) and not Path(value).expanduser().exists():
+            raise ConfigError(
+                f"run config '{key}' = {value!r} is a local path that does not exist on this host; allowed: an existing file or "
+                "folder, a hub dataset id ('owner/name'), or '' (in a deployment each SuperNode names its own: node config 'data-path')"
+            )
 
     for key, module, extra in TRACKER_PACKAGES:
         if getattr(cfg.logging, key.split(".", 1)[1]) and importlib.util.find_spec(module) is None:

@@ -49,11 +49,15 @@ class PromptFile:
     columns: tuple[str, ...]
 
 
+def looks_local(path: str) -> bool:
+    """Whether ``path`` is written as a local file or folder (absolute, ``~``, ``./``, ``../``, a
+    data file's suffix, a backslash), not as a hub id ``owner/name``; the file system is not read."""
+    return path.startswith(("/", "./", "../", "~", ".\\")) or Path(path).suffix.lower() in BUILDERS or "\\" in path
+
+
 def _is_local(path: str) -> bool:
     """Whether ``path`` means a local file or folder (a hub id is ``owner/name``)."""
-    if Path(path).expanduser().exists():
-        return True
-    return path.startswith(("/", "./", "../", "~", ".\\")) or Path(path).suffix.lower() in BUILDERS or "\\" in path
+    return Path(path).expanduser().exists() or looks_local(path)
 
 
 def local_files(path: str, key: str = "data.path") -> list[Path]:
