@@ -46,14 +46,21 @@ app = ServerApp()
 def initial_adapter(cfg: RunConfig):
     """(named fp32 arrays, LoraConfig) of PEFT's default LoRA init drawn from ``seed``.
 
-    Loaded on CPU: the server only needs the adapter's shapes and initial values.
+    Loaded on CPU: the server only needs the adapter's shapes and initial values. The config
+    names the base model as the run config does (a hub id, a path as written, or a built-in
+    model's ``builtin:`` name), not where this host keeps its files: a saved adapter says which
+    model it belongs to on any machine.
     """
+    import copy
+
     import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # as on the clients: no 'Loading weights' bar in the run's stream
     student = attach_lora(load_causal_lm(cfg.model.student, dtype="float32", device=torch.device("cpu")), cfg.lora, cfg.seed)
-    return student.get_lora_arrays(), student.lora_config
+    config = copy.copy(student.lora_config)
+    config.base_model_name_or_path = cfg.model.student
+    return student.get_lora_arrays(), config
 
 
 @app.main()

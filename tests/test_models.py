@@ -237,3 +237,20 @@ def test_the_suite_runs_on_the_cpu_in_fp32(tiny_pair):
 
     assert os.environ["FEDTOPS_DEVICE"] == "cpu"
     assert all(lm.device.type == "cpu" and lm.dtype == torch.float32 for lm in tiny_pair)
+
+
+@pytest.mark.slow
+def test_a_saved_adapter_names_its_base_model_as_the_run_config_does(tmp_path):
+    """Not where this host keeps the built-in model's files (an absolute path inside the clone,
+    issue 49): the name works on any machine."""
+    import json
+
+    from conftest import TINY
+
+    from fedopd.config import parse_run_config
+    from fedopd.models.lora import save_adapter
+    from server_app.app import initial_adapter
+
+    arrays, config = initial_adapter(parse_run_config(TINY))
+    saved = json.loads((save_adapter(tmp_path / "round-000", arrays, config) / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "builtin:tiny-student"
