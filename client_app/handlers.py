@@ -45,7 +45,7 @@ def learner_seed(seed: int, partition_id: int, num_partitions: int, *, pooled: b
 def _adapter(content: RecordDict, name: str, models, message: str) -> dict:
     """The message's adapter ``name``: this student's LoRA factors, by name and shape, all finite."""
     arrays = from_record(content[name])  # an ArrayRecord: check_message saw it
-    problem = check_compatible(models.student.get_lora_arrays(), arrays)
+    problem = check_compatible(models.student.factor_parameters(), arrays)  # the student's factors, by name and shape: no copies
     if problem:
         raise RequestError(f"{message}: '{name}' does not fit this run's adapter: {problem}")
     return arrays
@@ -76,12 +76,12 @@ def train(
     theta = _adapter(content, "arrays", models, "train message")
     # Centralized's one learner runs on whichever node has the smallest id, which a resumed run
     # may number differently: its state is the learner's, not a partition's.
-    folder = client_state_dir(config, node_config or {}, "central" if request.pooled else pid, run_id, node_id=node_id)
+    who = "central" if request.pooled else pid
+    folder = client_state_dir(config, node_config or {}, who, run_id, node_id=node_id)
     persistent = cfg.train.optimizer_state == "persistent"
     local = request.learner == "local"
 
     if META not in state and server_round > 1 and (persistent or local):
-        who = "central" if request.pooled else pid
         theta = restore_saved_state(
             state,
             folder,

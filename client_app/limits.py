@@ -26,17 +26,16 @@ key                    default            meaning
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from fedopd.core.errors import LocalError, RequestError
 from fedopd.core.settings import RunConfig
+from fedopd.models.paths import is_hub_id
 
 MAX_TOKENS = 1 << 25  # 33.6 million
 MAX_RANK = 256
 ROW_OVERHEAD = 128  # tokens of the chat template and the instruction every row is rendered with, before its length is known
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # org/name, as the hub spells them
 
 
 def message_tokens(cfg: RunConfig, kind: str, *, partitions: int = 1, prompt_pool: int = 0, candidates: int = 0) -> int:
@@ -101,7 +100,7 @@ class NodeLimits:
         for key, model in (("model.student", cfg.model.student), ("model.teacher", cfg.model.teacher)):
             if self.allowed_models and model not in self.allowed_models:
                 raise RequestError(f"the run config's {key} = {model[:200]!r} is not among this node's allowed models (node config 'allowed-models')")
-            if deployment and not self.allowed_models and not (model.startswith("builtin:") or HUB_ID.fullmatch(model)):
+            if deployment and not self.allowed_models and not (model.startswith("builtin:") or is_hub_id(model)):
                 raise RequestError(
                     f"the run config's {key} = {model[:200]!r} is neither a built-in model nor a hub id ('org/name'); a deployment node "
                     "loads a local model folder only when its node config 'allowed-models' lists it"

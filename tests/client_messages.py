@@ -61,4 +61,4 @@ def fake_models(**factors: tuple[int, ...]):
     from types import SimpleNamespace
 
     shapes = factors or {"a": (2,)}
-    return SimpleNamespace(student=SimpleNamespace(get_lora_arrays=lambda: {k: np.zeros(s, np.float32) for k, s in shapes.items()}))
+    return SimpleNamespace(student=SimpleNamespace(factor_parameters=lambda: {k: np.zeros(s, np.float32) for k, s in shapes.items()}))

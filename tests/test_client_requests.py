@@ -57,7 +57,7 @@ def test_a_score_query_with_more_candidates_than_the_client_scores_is_refused():
 def test_a_client_answers_one_score_query_per_round_it_trained(monkeypatch):
     """A second query for the same round is refused before any work (no model is set up)."""
     calls = []
-    student = SimpleNamespace(get_lora_arrays=lambda: {"a": np.zeros(2, np.float32)})
+    student = SimpleNamespace(factor_parameters=lambda: {"a": np.zeros(2, np.float32)})
     monkeypatch.setattr(
         handlers.worker, "setup", lambda cfg, pid, num, pooled=False, node=None: (calls.append(pid) or SimpleNamespace(student=student), ["p"] * 4)
     )

@@ -15,7 +15,12 @@ import torch
 
 from fedopd.core.errors import ModelLoadError
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # org/name, as the hub spells them
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` is written as a hub id ``org/name`` (the file system is not read)."""
+    return HUB_ID.fullmatch(name) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +140,7 @@ def resolve_model_path(name: str) -> str:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model path '{name}' exists but has no config.json: not a transformers model folder")
         return str(path)
-    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+    if name.startswith((".", "/", "~")) or not is_hub_id(name):
         raise ModelLoadError(
             f"model '{name}' is not an existing local folder, a hub id of the form 'org/name', or one of {', '.join(BUILTIN_MODELS)}"
         )
