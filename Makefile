@@ -7,7 +7,8 @@
 # (HOST=auto: the kind .venv was installed for, else gpu when nvidia-smi lists a GPU, else cpu; or
 # cpu, gpu, gpu-vllm, cpu-vllm), again only when pyproject.toml or the install scripts changed since.
 # `make run` exits non-zero when the run did not complete (flwr run itself exits 0 then).
-# `make lint` runs ruff as CI does.
+# `make lint` runs ruff as CI does; `make stop` stops the local SuperLink that `flwr run .` started
+# from .venv (server_app/local_superlink.py), and only that one.
 
 PYTHON ?= python3
 HOST ?= auto
@@ -17,13 +18,16 @@ INSTALL_INPUTS := pyproject.toml scripts/install.sh scripts/envcheck.py $(wildca
 # flwr starts `flower-superlink` from PATH, and the local SuperLink reads the install setting.
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 
-.PHONY: run test lint install
+.PHONY: run test lint install stop
 
 run: $(STAMP)
 	$(IN_VENV) $(VENV)/bin/python -m server_app.run_status run . --stream --federation-config "num-supernodes=3"
 
 test: $(STAMP)
 	$(IN_VENV) $(VENV)/bin/python -m pytest -q
+
+stop:  # the local SuperLink that `flwr run .` started from .venv, and what runs under it (starts nothing)
+	$(VENV)/bin/python -m server_app.local_superlink stop
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check .

@@ -5,8 +5,9 @@
                            [--jobs 2] [--out sandbox-results] [--runs DIR] [--bootstrap 5000]
                            [--run-config "num-clients=12 data.partitioner='dirichlet' ..."]
 
-Every run goes through the app's own ServerApp, ClientApp and strategies (in process, see
-:mod:`server_app.inprocess`) on the sandbox preset, changing only ``train.lr``, ``seed``, the
+The grid is a use of :mod:`eval.variants` (its methods are the variants, crossed with the learning
+rates and seeds). Every run goes through the app's own ServerApp, ClientApp and strategies (in
+process, see :mod:`server_app.inprocess`) on the sandbox preset, changing only ``train.lr``, ``seed``, the
 method and the number of rounds. Budgets are equal as in the paper: every method sees the same
 rollouts per round (Centralized: the clients' combined rollouts in one learner) and the same
 mini-batch. Held-out evaluation runs every ``--eval-every`` rounds and in the last round (0: not
@@ -43,11 +44,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from eval import variants
+from eval.variants import finished_run, mean_sd
 
 METHODS: dict[str, dict[str, Any]] = {
     "local": {"strategy.name": "local"},
@@ -181,35 +184,6 @@ def run_config(
     }
 
 
-def _comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A resolved run config without where it was written (``output-dir``)."""
-    from fedopd.config import parse_run_config
-
-    resolved = parse_run_config(config).to_run_config()
-    resolved.pop("output-dir", None)
-    return resolved
-
-
-def finished_run(folder: Path, config: dict[str, Any]) -> Path | None:
-    """A run folder anywhere under ``folder`` with exactly this resolved config (wherever it was
-    written) and its last round done (and evaluated, unless ``eval.every`` is 0)."""
-    from fedopd.config import ConfigError
-    from server_app.run_folder import read_rounds, read_run_config
-
-    want = _comparable(config)
-    for path in sorted(folder.rglob("config.json")) if folder.is_dir() else []:
-        run = path.parent
-        try:
-            if _comparable(read_run_config(run)) != want:
-                continue
-            rounds = read_rounds(run)
-        except (OSError, ValueError, ConfigError):
-            continue
-        if rounds and rounds[-1]["round"] == config["num-server-rounds"] and (rounds[-1].get("evaluation") or not config["eval.every"]):
-            return run
-    return None
-
-
 GRADES = "heldout-grades.npz"  # per-problem grades of a grid run's final adapter(s), in its run folder
 
 
@@ -323,12 +297,6 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
             held_rounds=sum(1 for a in multipliers if a == 0.0),
         )
     return row
-
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    v = np.asarray(values, dtype=float)
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
 def table(rows: list[dict[str, Any]], metric: str, title: str) -> str:
@@ -447,42 +415,16 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
-def _single_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _run_cell(config: dict[str, Any] | None, run: Path | None = None) -> tuple[Path, float]:
-    """Run one grid cell (``config``), or take the finished ``run``; then grade its final
-    adapter(s) per problem (:func:`final_grades`) unless that was done before."""
-    from server_app.inprocess import run_in_process
-
-    t0 = time.perf_counter()
-    if run is None:
-        run = run_in_process(config, num_clients=int(config.get("num-clients") or 3))
+def grade_once(run: Path) -> None:
+    """:func:`final_grades` of a run, unless it was graded before (the grid's ``post`` step)."""
     if not (run / GRADES).is_file():
         final_grades(run)
-    return run, time.perf_counter() - t0
 
 
 def run_cells(configs: dict, runs: dict, todo: list, jobs: int, describe) -> None:
-    """Run (or only grade) the grid cells in ``todo``, ``jobs`` at once in fresh single-threaded
-    interpreters; ``runs[cell]`` becomes each one's run folder, and a line ``[i/n] describe(cell, run)``
-    with its seconds is printed as each finishes."""
-    if not todo:
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    started = time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch or grader state
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_single_thread) as pool:
-        futures = {pool.submit(_run_cell, configs[cell], runs[cell]): cell for cell in todo}
-        for i, future in enumerate(as_completed(futures), 1):
-            cell = futures[future]
-            runs[cell], seconds = future.result()
-            print(f"[{i}/{len(todo)}] {describe(cell, runs[cell])} ({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)", flush=True)
+    """:func:`eval.variants.run_cells` for grid cells: run each one in ``todo`` (or take its
+    finished run) and grade its final adapter(s) per problem (:func:`grade_once`)."""
+    variants.run_cells(configs, runs, todo, jobs, describe, post=grade_once)
 
 
 def load_grades(rows: list[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, np.ndarray]]:
@@ -536,9 +478,9 @@ def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, A
     swept = swept_methods(rows)
     out = []
     for lr in sorted({r["lr"] for r in rows}):
-        variants = [m for m in dict.fromkeys(r["method"] for r in rows) if m in METHODS and m not in DEFAULT_METHODS]
+        studied = [m for m in dict.fromkeys(r["method"] for r in rows) if m in METHODS and m not in DEFAULT_METHODS]
         # and each δ of a sweep against FedAvg, each variant against FedAvg and the paper's FedTOPS
-        for a, b in [*COMPARISONS, *(("fedavg", m) for m in swept), *((base, v) for v in variants for base in ("fedavg", "fedtops"))]:
+        for a, b in [*COMPARISONS, *(("fedavg", m) for m in swept), *((base, v) for v in studied for base in ("fedavg", "fedtops"))]:
             seeds = sorted({s for m, l, s in grades if m == a and l == lr} & {s for m, l, s in grades if m == b and l == lr})
             if not seeds:
                 continue
@@ -748,18 +690,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from fedopd.config import ConfigError, parse_run_config
 
-    cells = [(m, lr, s) for lr in args.lrs for m in methods for s in args.seeds]
-    configs = {}
-    try:  # every configuration is valid before the first run starts
-        setting = grid_setting(args.run_config)
-        for m, lr, s in cells:
-            folder = runs_root / f"{m}-lr{lr:g}-seed{s}"
-            configs[m, lr, s] = run_config(m, lr, s, args.rounds, args.eval_every, folder, setting)
-            parse_run_config(configs[m, lr, s])
-    except ConfigError as err:
+    try:  # the grid is methods × learning rates × seeds of eval.variants; every config is valid before the first run
+        base = {**grid_setting(args.run_config), "num-server-rounds": args.rounds, "eval.every": args.eval_every, "preset": "sandbox-grid"}
+        methods_as_variants = [variants.Variant(m, method_settings(m)) for m in methods]
+        planned = variants.plan(base, methods_as_variants, [("train.lr", args.lrs)], args.seeds, runs_root)
+        configs = {(c.variant, c.values[0][1], c.seed): c.config for c in planned}
+        for config in configs.values():
+            parse_run_config(dict(config))
+    except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
+    cells = list(configs)
     runs = {cell: finished_run(runs_root, configs[cell]) for cell in cells}
     todo = [cell for cell in cells if runs[cell] is None or not (runs[cell] / GRADES).is_file()]
     fresh = sum(1 for cell in todo if runs[cell] is None)
