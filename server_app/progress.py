@@ -161,27 +161,6 @@ def run_title(config: Mapping[str, Any]) -> str:
     return f"{what}, lr {config.get('train.lr')}, {config.get('model.student')} ← {config.get('model.teacher')}, seed {config.get('seed')}"
 
 
-class TensorBoardLog:
-    """The same scalars as the figure, one TensorBoard step per round, in ``<run>/tensorboard``
-    (a :class:`server_app.tracking.Tracker`; the config and the status are in the run folder)."""
-
-    def __init__(self, folder: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the 'tensorboard' extra
-
-        self.writer = SummaryWriter(log_dir=str(folder))
-
-    def log_config(self, config: Mapping[str, Any]) -> None:
-        pass
-
-    def log_round(self, record: Mapping[str, Any]) -> None:
-        for key, value in round_scalars(record).items():
-            self.writer.add_scalar(key, value, global_step=int(record["round"]))
-        self.writer.flush()
-
-    def close(self, status: str = "") -> None:
-        self.writer.close()
-
-
 def run_summary(records: list[Mapping[str, Any]], strategy: str, folder: Path, seconds: float) -> list[str]:
     """A few lines for the end of a run: rounds, multipliers, held-out accuracy, the bytes sent to
     and received from the clients (in all and by phase), the folder."""

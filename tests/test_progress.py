@@ -83,9 +83,9 @@ def test_tensorboard_gets_the_same_scalars_one_step_per_round(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from server_app.progress import TensorBoardLog
+    from server_app.tracking import TensorBoardTracker
 
-    tb = TensorBoardLog(tmp_path / "tb")
+    tb = TensorBoardTracker(tmp_path / "tb")
     for record in RECORDS:
         tb.log_round(record)
     tb.close()

@@ -64,7 +64,7 @@ def wandb_run(wandb_dir: Path) -> dict:
     summary and exit code."""
     logs = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1, f"expected one offline W&B run under {wandb_dir}, found {logs}"
-    out = {"config": {}, "history": {}, "summary": {}, "exit_code": None}
+    out = {"config": {}, "history": {}, "summary": {}, "exit_code": None, "artifacts": {}}
     for record in wandb_records(logs[0]):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -81,6 +81,9 @@ def wandb_run(wandb_dir: Path) -> dict:
             continue
         elif kind == "exit":
             out["exit_code"] = record.exit.exit_code
+            continue
+        elif kind == "artifact":  # the files of a logged artifact, by name
+            out["artifacts"][record.artifact.name] = [entry.path for entry in record.artifact.manifest.contents]
             continue
         else:
             continue
@@ -116,6 +119,10 @@ def expected_scalars(record: dict) -> dict[str, float]:
     out["comm/sent_mb"], out["comm/received_mb"] = comm["sent"] / 1e6, comm["received"] / 1e6
     for phase in ("train", "score"):
         out[f"comm/{phase}_mb"] = sum(n["sent"] + n["received"] for n in comm[phase]) / 1e6
+    for c in clients:  # each client's series, the training reward in %
+        who = f"client-{c['partition-id']}"
+        out |= {f"{who}/loss_first": c["loss_first"], f"{who}/loss_last": c["loss_last"], f"{who}/train_reward": 100 * c["accuracy"]}
+        out |= {f"{who}/response_length": c["response_length"], f"{who}/train_seconds": c["total_s"]}
     return out
 
 
@@ -150,6 +157,7 @@ class _Capture(logging.Handler):
 
 
 def _tiny_run(out: Path, env: dict[str, str], rounds: int, nodes: int, **keys) -> tuple[Path, list[logging.LogRecord]]:
+    """A tiny in-process run with ``env`` as the only tracking variables, in ``out`` as the working directory."""
     from client_app.app import app
     from server_app import tracking
     from server_app.app import run_server
@@ -159,10 +167,13 @@ def _tiny_run(out: Path, env: dict[str, str], rounds: int, nodes: int, **keys) -
     capture = _Capture()
     flwr_logger = logging.getLogger("flwr")
     with pytest.MonkeyPatch.context() as mp:
+        for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+            mp.delenv(name, raising=False)
         for name, value in env.items():
             mp.setenv(name, value)
+        mp.chdir(out)
         _RaisesInRound.calls = []
-        mp.setitem(tracking.FACTORIES, "logging.tensorboard", lambda path: _RaisesInRound())
+        mp.setitem(tracking.FACTORIES, "logging.tensorboard", lambda path, where: _RaisesInRound())
         flwr_logger.addHandler(capture)
         try:
             with task_identity():
@@ -186,21 +197,27 @@ def _env(root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
-    """Two rounds with logging.wandb and logging.mlflow on, and a TensorBoard stand-in that raises."""
+    """Two rounds with logging.wandb and logging.mlflow on, and a TensorBoard stand-in that raises.
+    W&B's destination from the run config over a variable that says otherwise, its project from a
+    variable; MLflow's from nothing (the run folder); the adapters as artifacts."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     root = tmp_path_factory.mktemp("tracked")
-    env = _env(root)
-    folder, logs = _tiny_run(root, env, 2, 2, **{"logging.wandb": True, "logging.mlflow": True, "logging.tensorboard": True})
+    (root / "wandb").mkdir()
+    env = {"WANDB_MODE": "online", "WANDB_DIR": str(root / "not-here"), "WANDB_PROJECT": "from-env", "WANDB_SILENT": "true"}
+    keys = {"logging.wandb-mode": "offline", "logging.wandb-dir": str(root / "wandb"), "logging.artifacts": "adapters"}
+    folder, logs = _tiny_run(root, env, 2, 2, **{"logging.wandb": True, "logging.mlflow": True, "logging.tensorboard": True}, **keys)
     rounds = [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
     return {
+        "root": root,
         "folder": folder,
         "rounds": rounds,
         "config": json.loads((folder / "config.json").read_text()),
         "status": json.loads((folder / "status.json").read_text())["status"],
         "wandb": wandb_run(root / "wandb"),
-        "mlflow": mlflow_runs(env["MLFLOW_TRACKING_URI"]),
-        "uri": env["MLFLOW_TRACKING_URI"],
+        "mlflow": mlflow_runs(uri),
+        "uri": uri,
         "logs": logs,
     }
 
@@ -217,7 +234,7 @@ def test_wandb_gets_every_rounds_scalars_of_rounds_jsonl_at_step_round(tracked):
 @pytest.mark.slow
 def test_wandb_gets_the_config_json_and_the_final_status_under_the_run_folders_name(tracked):
     w = tracked["wandb"]
-    assert (w["name"], w["project"]) == (tracked["folder"].name, "fedtops")
+    assert (w["name"], w["project"]) == (tracked["folder"].name, "from-env")
     assert w["config"] == tracked["config"]
     assert tracked["status"] == "completed"
     assert (w["summary"]["status"], w["exit_code"]) == ("completed", 0)
@@ -234,6 +251,46 @@ def test_mlflow_gets_every_rounds_scalars_of_rounds_jsonl_at_step_round(tracked)
     for key in run.data.metrics:
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert history == [(n, pytest.approx(expected[n][key], rel=1e-12)) for n in (1, 2)], key
+
+
+@pytest.mark.slow
+def test_trackers_write_where_the_run_config_says_else_in_the_run_folder_never_the_working_directory(tracked):
+    root, folder = tracked["root"], tracked["folder"]
+    assert not (root / "not-here").exists()  # logging.wandb-dir beats WANDB_DIR
+    assert sorted(p.name for p in root.iterdir()) == ["runs", "wandb"]  # no mlflow.db, mlruns or wandb/ in the working directory
+    assert (folder / "mlflow.db").is_file()
+    lines = [r.getMessage() for r in tracked["logs"] if r.getMessage().startswith(("logging.wandb:", "logging.mlflow:"))]
+    assert lines == [
+        f"logging.wandb: W&B run {folder.name} in project 'from-env', mode offline, files in {root / 'wandb' / 'wandb'}; "
+        f"upload later: wandb sync {root / 'wandb' / 'wandb'}/offline-run-*",
+        f"logging.mlflow: MLflow run {folder.name} in experiment 'fedtops' at {tracked['uri']} (view: mlflow ui --backend-store-uri {tracked['uri']})",
+    ]
+
+
+@pytest.mark.slow
+def test_mlflow_gets_the_run_folders_records_and_every_adapter_as_artifacts(tracked):
+    from mlflow import MlflowClient
+
+    (run,) = tracked["mlflow"]
+    client = MlflowClient(tracking_uri=tracked["uri"])
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert names == {"config.json", "rounds.jsonl", "status.json", "progress.png", "round-000", "round-001", "round-002"}
+    for n in (0, 1, 2):
+        files = {a.path.split("/")[-1] for a in client.list_artifacts(run.info.run_id, f"round-{n:03d}")}
+        assert files == {p.name for p in (tracked["folder"] / f"round-{n:03d}").iterdir()}
+    local = Path(client.download_artifacts(run.info.run_id, "rounds.jsonl", str(tracked["root"] / "dl")))
+    assert local.read_bytes() == (tracked["folder"] / "rounds.jsonl").read_bytes()
+    assert str(tracked["folder"]) in run.info.artifact_uri  # beside the store, not ./mlruns
+
+
+@pytest.mark.slow
+def test_wandb_gets_the_records_and_the_adapters_as_two_artifacts(tracked):
+    folder = tracked["folder"]
+    names = sorted(a for a in tracked["wandb"]["artifacts"])
+    assert names == [f"{folder.name}-adapters", f"{folder.name}-records"]
+    assert set(tracked["wandb"]["artifacts"][f"{folder.name}-records"]) == {"config.json", "rounds.jsonl", "status.json", "progress.png"}
+    adapter_files = {f.relative_to(folder).as_posix() for f in folder.glob("round-*/**/*") if f.is_file()}
+    assert set(tracked["wandb"]["artifacts"][f"{folder.name}-adapters"]) == adapter_files
 
 
 @pytest.mark.slow
@@ -333,14 +390,14 @@ def test_a_tracker_that_cannot_start_is_reported_with_its_key_and_left_out(caplo
 
     caplog = _flwr_caplog(caplog)
 
-    def broken(path):
+    def broken(path, where):
         raise ConnectionError("no route to tracking server")
 
     good = _Recorder()
     trackers = open_trackers(
         {"logging.tensorboard": False, "logging.wandb": True, "logging.mlflow": True},
         tmp_path / "run",
-        factories={"logging.wandb": lambda path: good, "logging.mlflow": broken},
+        factories={"logging.wandb": lambda path, where: good, "logging.mlflow": broken},
     )
     assert trackers.active == {"logging.wandb": good}
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -402,3 +459,129 @@ def test_wandb_and_mlflow_are_refused_in_a_private_run_and_tensorboard_is_not():
         with pytest.raises(ConfigError, match=rf"run config '{key}' = true with 'privacy.clipping' = 'fixed' would send"):
             parse_run_config({**private, key: True})
     assert parse_run_config({**private, "logging.tensorboard": True}).logging.tensorboard
+
+
+# ---------------------------------------------------------------------------------------------
+# Destinations, each client's series, artifacts, TensorBoard's hyperparameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _logging(**keys):
+    return parse_run_config({f"logging.{k.replace('_', '-')}": v for k, v in keys.items()}).logging
+
+
+def test_a_destination_in_the_run_config_beats_the_variable_and_the_variable_beats_the_run_folder(tmp_path):
+    from server_app.tracking import destinations
+
+    env = {
+        "WANDB_PROJECT": "p-env",
+        "WANDB_MODE": "online",
+        "WANDB_DIR": "/env/dir",
+        "MLFLOW_TRACKING_URI": "http://env:5000",
+        "MLFLOW_EXPERIMENT_NAME": "e-env",
+    }
+    keys = dict(wandb_project="p-cfg", wandb_mode="offline", wandb_dir="/cfg/dir", mlflow_uri="sqlite:////cfg/m.db", mlflow_experiment="e-cfg")
+    run = tmp_path / "runs" / "r1"
+    got = destinations(_logging(**keys), env, run)
+    assert (got.wandb_project, got.wandb_mode, got.wandb_dir, got.mlflow_uri, got.mlflow_experiment) == (
+        "p-cfg", "offline", Path("/cfg/dir"), "sqlite:////cfg/m.db", "e-cfg",
+    )  # fmt: skip
+    got = destinations(_logging(), env, run)
+    assert (got.wandb_project, got.wandb_mode, got.wandb_dir, got.mlflow_uri, got.mlflow_experiment) == (
+        "p-env", "online", Path("/env/dir"), "http://env:5000", "e-env",
+    )  # fmt: skip
+    got = destinations(_logging(), {}, run)
+    assert (got.wandb_project, got.wandb_mode, got.wandb_dir, got.mlflow_uri, got.mlflow_experiment) == (
+        "fedtops", "offline", run, f"sqlite:///{run}/mlflow.db", "fedtops",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("uri", ["http://alice:token@host:5000", "https://tok@host", "databricks://u:p@ws"])
+def test_an_mlflow_uri_with_credentials_is_refused_naming_the_key(uri):
+    with pytest.raises(ConfigError, match="run config 'logging.mlflow-uri'.*without credentials"):
+        parse_run_config({"logging.mlflow-uri": uri})
+    assert parse_run_config({"logging.mlflow-uri": "http://host:5000/path@x"}).logging.mlflow_uri.endswith("@x")  # '@' after the host is a path
+
+
+def test_each_clients_series_is_named_by_partition_with_the_reward_in_percent():
+    from server_app.tracking import client_scalars
+
+    record = {
+        "clients": [
+            {"partition-id": 2, "node-id": 99, "loss_first": 0.5, "loss_last": 0.25, "accuracy": 0.125, "response_length": 40.0, "total_s": 3.0},
+            {"node-id": 7, "loss_first": float("nan"), "loss_last": True, "accuracy": 0.5},  # no partition id; nan and a bool left out
+            {"loss_first": 1.0},  # neither: left out
+        ],
+        "evaluation": {"accuracy": 40.0, "clients": [{"partition-id": 2, "accuracy": 37.5, "avg@8": 20.0, "pass@8": 60.0, "eval_s": 2.0}]},
+    }
+    assert client_scalars(record) == {
+        "client-2/loss_first": 0.5, "client-2/loss_last": 0.25, "client-2/train_reward": 12.5, "client-2/response_length": 40.0,
+        "client-2/train_seconds": 3.0, "node-7/train_reward": 50.0,
+        "client-2/heldout_greedy": 37.5, "client-2/heldout_avg@8": 20.0, "client-2/heldout_pass@8": 60.0,
+    }  # fmt: skip
+
+
+def test_the_artifacts_are_the_records_that_exist_and_with_adapters_every_rounds_files(tmp_path):
+    from server_app.tracking import artifact_files
+
+    for name in ("config.json", "rounds.jsonl", "status.json", "mlflow.db"):
+        (tmp_path / name).write_text("x")
+    for folder in ("round-000", "round-001/client-0", "tensorboard"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "adapter_model.safetensors").write_text("x")
+    assert artifact_files(tmp_path, "none") == []
+    records = [(tmp_path / n, n) for n in ("config.json", "rounds.jsonl", "status.json")]  # no progress.png yet
+    assert artifact_files(tmp_path, "records") == records
+    assert artifact_files(tmp_path, "adapters") == records + [
+        (tmp_path / "round-000/adapter_model.safetensors", "round-000/adapter_model.safetensors"),
+        (tmp_path / "round-001/client-0/adapter_model.safetensors", "round-001/client-0/adapter_model.safetensors"),
+    ]
+
+
+def test_artifacts_go_before_the_final_status_and_only_to_trackers_that_take_them():
+    from server_app.tracking import Trackers
+
+    calls = []
+
+    class Takes(_Recorder):
+        def log_artifacts(self, files):
+            calls.append(("artifacts", files))
+
+        def close(self, status):
+            calls.append(("close", status))
+
+    plain = _Recorder()
+    Trackers({"logging.mlflow": Takes(), "logging.tensorboard": plain}, artifacts=lambda: [(Path("a"), "a")]).close("completed")
+    assert calls == [("artifacts", [(Path("a"), "a")]), ("close", "completed")]
+    assert plain.calls == [("close", "completed")]
+
+
+def test_tensorboard_gets_the_config_as_hyperparameters_and_the_runs_end(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from server_app.tracking import TensorBoardTracker, hparams_of
+
+    config = {
+        "train.lr": 0.003,
+        "seed": 4,
+        "strategy.name": "fedtops",
+        "logging.wandb": False,
+        "resolved": {"stop-tokens": [1, 2], "dtype": "float32"},
+        "x": None,
+    }
+    assert hparams_of(config) == {
+        "train.lr": 0.003, "seed": 4, "strategy.name": "fedtops", "logging.wandb": False, "resolved.stop-tokens": "[1, 2]", "resolved.dtype": "float32", "x": "null",
+    }  # fmt: skip
+    tb = TensorBoardTracker(tmp_path)
+    tb.log_config(config)
+    tb.close("failed")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    data = {k: plugin_data_pb2.HParamsPluginData.FromString(v) for k, v in events.PluginTagToContent("hparams").items()}
+    start = data["_hparams_/session_start_info"].session_start_info.hparams
+    assert start["train.lr"].number_value == 0.003 and start["strategy.name"].string_value == "fedtops" and start["logging.wandb"].bool_value is False
+    assert start["resolved.stop-tokens"].string_value == "[1, 2]"
+    assert [m.name.tag for m in data["_hparams_/experiment"].experiment.metric_infos] == ["heldout/greedy", "clients/loss_last", "server/multiplier"]
+    assert data["_hparams_/session_end_info"].session_end_info.status == 2  # STATUS_FAILURE

@@ -14,6 +14,7 @@ nothing of the project, so every layer may use the settings' types.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import Field, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -417,20 +418,58 @@ class TimeoutSettings:
     )
 
 
+WANDB_MODES = ("", "offline", "online")
+ARTIFACTS = ("none", "records", "adapters")
+_USERINFO_URI = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s@]*@", re.I)
+
+
+def _plain_text() -> Spec:
+    return str, lambda v: "\n" not in v and "\r" not in v, "a string on one line ('': unset)"
+
+
+def _uri_without_credentials() -> Spec:
+    return (
+        str,
+        lambda v: "\n" not in v and not _USERINFO_URI.match(v),
+        "'' (unset) or a tracking URI without credentials (they go in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
+        "never in the run config, which the run folder and the trackers keep)",
+    )
+
+
 @dataclass(frozen=True)
 class LoggingSettings:
     tensorboard: bool = setting(
-        False, _bool(), "also write the round scalars as TensorBoard events to the run folder's `tensorboard/` (needs the `tensorboard` package)"
+        False,
+        _bool(),
+        "also write the round scalars, each client's series and the run config (as hyperparameters) as TensorBoard events to the run folder's `tensorboard/` (needs the `tensorboard` package)",
     )
     wandb: bool = setting(
         False,
         _bool(),
-        "also send the round scalars (step = round), the run config and the run's final status to Weights & Biases, run name = the run folder's name; where to from `WANDB_PROJECT` (default `fedtops`), `WANDB_MODE` (`offline`: files only), `WANDB_DIR`, `WANDB_API_KEY`; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
+        "also send the round scalars and each client's series (step = round), the run config, the run's final status and `logging.artifacts` to Weights & Biases, run name = the run folder's name; where to: the `logging.wandb-*` keys, else the `WANDB_*` variables, else offline files in the run folder; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
     )
+    wandb_project: str = setting("", _plain_text(), "W&B project; '': `WANDB_PROJECT`, else `fedtops`")
+    wandb_mode: str = setting(
+        "",
+        _choice(WANDB_MODES),
+        "W&B mode: `online` (needs credentials: `WANDB_API_KEY` or `wandb login`), `offline` (files only); '': `WANDB_MODE`, else `offline`",
+    )
+    wandb_dir: str = setting("", _plain_text(), "where W&B's `wandb/` folder goes; '': `WANDB_DIR`, else the run folder")
     mlflow: bool = setting(
         False,
         _bool(),
-        "also send the round scalars (step = round), the run config (params) and the run's final status to MLflow, run name = the run folder's name; where to from `MLFLOW_TRACKING_URI` (e.g. `sqlite:///mlflow.db`) and `MLFLOW_EXPERIMENT_NAME` (default `fedtops`); a tracker that fails is warned about and dropped, the run goes on (needs the `mlflow` extra; docs/tracking.md)",
+        "also send the round scalars and each client's series (step = round), the run config (params), the run's final status and `logging.artifacts` to MLflow, run name = the run folder's name; where to: the `logging.mlflow-*` keys, else the `MLFLOW_*` variables, else `sqlite:///RUN_FOLDER/mlflow.db`; a tracker that fails is warned about and dropped, the run goes on (needs the `mlflow` extra; docs/tracking.md)",
+    )
+    mlflow_uri: str = setting(
+        "",
+        _uri_without_credentials(),
+        "MLflow tracking URI (`sqlite:///runs/mlflow.db`, `http://host:5000`); '': `MLFLOW_TRACKING_URI`, else `sqlite:///RUN_FOLDER/mlflow.db`",
+    )
+    mlflow_experiment: str = setting("", _plain_text(), "MLflow experiment; '': `MLFLOW_EXPERIMENT_NAME`, else `fedtops`")
+    artifacts: str = setting(
+        "records",
+        _choice(ARTIFACTS),
+        "what W&B and MLflow also get at the end of the run: `records` (`config.json`, `rounds.jsonl`, `status.json`, `progress.png`), `adapters` (those and every saved adapter), `none`",
     )
 
 
@@ -543,7 +582,13 @@ RESUME_FREE_KEYS = (
     "timeout.start",
     "logging.tensorboard",
     "logging.wandb",
+    "logging.wandb-project",
+    "logging.wandb-mode",
+    "logging.wandb-dir",
     "logging.mlflow",
+    "logging.mlflow-uri",
+    "logging.mlflow-experiment",
+    "logging.artifacts",
     "privacy.max-epsilon",  # a resumed run may get more (or less) budget: the journal keeps what was spent
 )
 
