@@ -185,13 +185,13 @@ def bench_padding(models, args) -> None:
 
 
 def bench_paper_round(args) -> None:
-    from fedopd.config import RunConfig
+    from fedopd.config import parse_run_config
     from fedopd.distill.cache import score_candidates
     from fedopd.engine.round import ClientModels, RoundPlan, score_round, train_round
     from fedopd.models.lora import increment
     from fedopd.rollout import HFRolloutEngine
 
-    cfg = RunConfig()
+    cfg = parse_run_config({})
     t0 = time.perf_counter()
     student, teacher = paper_models(args.teacher_arch)
     models = ClientModels(student, teacher, HFRolloutEngine(student))
@@ -249,12 +249,12 @@ def bench_paper_round(args) -> None:
 def bench_round(args) -> None:
     if args.models == "paper":
         return bench_paper_round(args)
-    from fedopd.config import RunConfig
+    from fedopd.config import parse_run_config
     from fedopd.data import encode_prompts, tiny_arith_partition
     from fedopd.engine.round import RoundPlan, load_client_models, score_round, train_round
     from fedopd.models.lora import increment
 
-    cfg = RunConfig()
+    cfg = parse_run_config({})
     t0 = time.perf_counter()
     models = load_client_models(cfg.model.student, cfg.model.teacher, lora=cfg.lora, backend="hf", seed=cfg.seed)
     load_s = time.perf_counter() - t0

@@ -113,7 +113,7 @@ def locate_model(name: str, *, hub_timeout: float = 5.0) -> tuple[str, str]:
     except Exception as err:  # noqa: BLE001 - offline, unknown repo or gated: all mean "not reachable"
         raise ModelLoadError(
             f"'{name}' is neither a local folder nor in the hub cache, and the hub does not answer "
-            f"({type(err).__name__}); download it first (huggingface-cli download {name}) or give a local folder"
+            f"({type(err).__name__}); download it first (hf download {name}, huggingface_hub's command) or give a local folder"
         ) from None
     return path, "hub (not cached yet: the first run downloads it)"
 
@@ -321,6 +321,69 @@ def _guard(report: Report, check: str, fn: Callable[[], Any]) -> Any:
         return None
 
 
+def _host_checks(report: Report, cfg: RunConfig, gpu_free_gib: float | None) -> str:
+    """The rows that need only the run config and this host: torch against the driver, the engines
+    (and which one ``rollout.backend`` picks), packing under this host's attention; the rollout
+    engine chosen."""
+    import torch
+
+    from fedopd.models.paths import DEVICE_VARIABLE, default_device, flash_attention_status
+    from fedopd.rollout.vllm_engine import vllm_platform
+
+    cuda = torch.cuda.is_available()
+    status, detail = torch_build_row(
+        torch.__version__, torch.version.cuda, nvidia_driver(), cuda, cpu_pinned=os.environ.get(DEVICE_VARIABLE, "").strip() == "cpu"
+    )
+    report.add("torch", status, detail)
+    platform = vllm_platform()
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_flash, flash_why = flash_attention_status() if cuda else (False, "")
+    backend = cfg.rollout.backend
+    # auto: vLLM only for a student on CUDA (FEDTOPS_DEVICE=cpu keeps it on HF), as fedopd.rollout.resolve_backend
+    on_cuda = default_device().type == "cuda"
+    chosen = "vllm" if (backend == "vllm" and platform) or (backend == "auto" and platform == "cuda" and on_cuda) else "hf"
+    if gpu_free_gib is not None and backend == "auto" and has_vllm:
+        chosen = "vllm"
+    vllm = "no" if not has_vllm else "yes (CPU build)" if platform == "cpu" else "yes"
+    flash = "yes" if has_flash else f"no ({flash_why})" if importlib.util.find_spec("flash_attn") is not None and cuda else "no"
+    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {vllm}, flash-attention {flash}"
+    if backend == "vllm" and platform is None:
+        report.add(
+            "engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU, or vLLM's CPU build; install one or use 'auto'/'hf'"
+        )
+    else:
+        report.add(
+            "engines",
+            OK if cuda or backend == "hf" else WARN,
+            f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"),
+        )
+
+    from fedopd.distill.opd import packed_rows_isolated
+    from fedopd.models import attention_implementation, default_device
+    from fedopd.models.paths import resolve_dtype
+
+    attention = attention_implementation(default_device(), resolve_dtype(cfg.model.dtype, default_device()))
+    if cfg.train.packing == "packed":
+        isolated, why = packed_rows_isolated(attention)
+        report.add(
+            "packing", OK if isolated else FAIL, why if isolated else f"{why}; use train.packing = 'padded' or 'auto', or upgrade torch/transformers"
+        )
+    else:
+        packed = cfg.train.packing == "auto" and attention.startswith("flash_attention")
+        report.add("packing", OK, f"train.packing = {cfg.train.packing!r}: {'packed' if packed else 'padded'} micro-batches under {attention}")
+    return chosen
+
+
+MODEL_CHECKS = (  # the rows that need the models' files, and what each needs
+    ("model pair", "both models' tokenizers and configs"),
+    ("stop tokens", "both models' tokenizers and generation configs"),
+    ("chat template", "the student's tokenizer and chat template"),
+    ("template pair", "both models' chat templates"),
+    ("prompts", "the student's tokenizer"),
+    ("positions", "both models' configs"),
+)
+
+
 def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu_free_gib: float | None = None) -> Report:
     from fedopd.models.vocab import ModelFiles, check_same_vocabulary, end_of_turn_token, resolve_stop_tokens
 
@@ -347,6 +410,10 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
         _guard(report, f"{role} model", find)
     if len(files) < 2:
+        for check, need in MODEL_CHECKS:
+            report.add(check, SKIP, f"not checked: needs {need} (the model rows above say how to get them)")
+        _host_checks(report, cfg, gpu_free_gib)
+        report.add("GPU memory", SKIP, "not checked: needs both models' configs (the model rows above say how to get them)")
         return report
     student, teacher = files["student"], files["teacher"]
 
@@ -440,52 +507,7 @@ def run_checks(overrides: dict[str, Any], *, num_clients: int | None = None, gpu
 
     _guard(report, "positions", positions)
 
-    import torch
-
-    from fedopd.models.paths import DEVICE_VARIABLE, default_device, flash_attention_status
-    from fedopd.rollout.vllm_engine import vllm_platform
-
-    cuda = torch.cuda.is_available()
-    status, detail = torch_build_row(
-        torch.__version__, torch.version.cuda, nvidia_driver(), cuda, cpu_pinned=os.environ.get(DEVICE_VARIABLE, "").strip() == "cpu"
-    )
-    report.add("torch", status, detail)
-    platform = vllm_platform()
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    has_flash, flash_why = flash_attention_status() if cuda else (False, "")
-    backend = cfg.rollout.backend
-    # auto: vLLM only for a student on CUDA (FEDTOPS_DEVICE=cpu keeps it on HF), as fedopd.rollout.resolve_backend
-    on_cuda = default_device().type == "cuda"
-    chosen = "vllm" if (backend == "vllm" and platform) or (backend == "auto" and platform == "cuda" and on_cuda) else "hf"
-    if gpu_free_gib is not None and backend == "auto" and has_vllm:
-        chosen = "vllm"
-    vllm = "no" if not has_vllm else "yes (CPU build)" if platform == "cpu" else "yes"
-    flash = "yes" if has_flash else f"no ({flash_why})" if importlib.util.find_spec("flash_attn") is not None and cuda else "no"
-    engines = f"CUDA {'yes' if cuda else 'no'}, vLLM {vllm}, flash-attention {flash}"
-    if backend == "vllm" and platform is None:
-        report.add(
-            "engines", FAIL, f"{engines}: rollout.backend = 'vllm' needs vLLM and a CUDA GPU, or vLLM's CPU build; install one or use 'auto'/'hf'"
-        )
-    else:
-        report.add(
-            "engines",
-            OK if cuda or backend == "hf" else WARN,
-            f"{engines}; rollout.backend = {backend!r} uses {chosen}" + ("" if cuda else " (CPU: a paper-size run is not practical)"),
-        )
-
-    from fedopd.distill.opd import packed_rows_isolated
-    from fedopd.models import attention_implementation, default_device
-    from fedopd.models.paths import resolve_dtype
-
-    attention = attention_implementation(default_device(), resolve_dtype(cfg.model.dtype, default_device()))
-    if cfg.train.packing == "packed":
-        isolated, why = packed_rows_isolated(attention)
-        report.add(
-            "packing", OK if isolated else FAIL, why if isolated else f"{why}; use train.packing = 'padded' or 'auto', or upgrade torch/transformers"
-        )
-    else:
-        packed = cfg.train.packing == "auto" and attention.startswith("flash_attention")
-        report.add("packing", OK, f"train.packing = {cfg.train.packing!r}: {'packed' if packed else 'padded'} micro-batches under {attention}")
+    chosen = _host_checks(report, cfg, gpu_free_gib)
 
     card = gpu_memory(gpu_free_gib)
     if card is None:

@@ -8,7 +8,7 @@ from fedopd.config import ConfigError, RunConfig, parse_run_config
 
 
 def test_defaults_parse_and_round_trip_through_run_config_keys():
-    cfg = RunConfig()
+    cfg = parse_run_config(RunConfig().to_run_config())  # 'auto' choices resolved
     assert parse_run_config(cfg.to_run_config()) == cfg
     assert cfg.to_run_config()["strategy.candidates"] == "0.5,1,2,3,5,10"
 
@@ -57,7 +57,8 @@ def test_total_local_steps_follow_rounds_rollouts_and_mini_batch():
 def test_dataclass_defaults_are_the_apps_tiny_preset():
     from fedopd.config.presets import app_defaults
 
-    assert parse_run_config(app_defaults()) == RunConfig()
+    assert parse_run_config(app_defaults()) == parse_run_config({})
+    assert app_defaults() == RunConfig().to_run_config()
 
 
 def test_config_cli_prints_the_resolved_config_of_a_valid_file(tmp_path, capsys):
@@ -200,3 +201,15 @@ def test_a_local_data_path_that_does_not_exist_is_refused_before_round_one_namin
     missing.write_text('{"problem": "Compute 1 + 1.", "answer": "2"}\n')
     check_server_requirements(parse_run_config({"data.name": "prompts", "data.partitioner": "iid", "data.path": str(missing)}))
     check_server_requirements(parse_run_config({"data.name": "prompts", "data.partitioner": "iid", "data.path": "owner/set"}))
+
+
+@pytest.mark.parametrize("name, chosen", [("sandbox", "groups"), ("math", "groups"), ("tiny-arith", "groups"), ("prompts", "iid")])
+def test_the_default_partitioner_is_the_data_sets_own_and_the_config_records_the_choice(name, chosen):
+    cfg = parse_run_config({"data.name": name, "eval.every": 0, **({"data.path": "owner/set"} if name == "prompts" else {})})
+    assert cfg.data.partitioner == chosen
+    assert cfg.to_run_config()["data.partitioner"] == chosen  # config.json says what was used, not 'auto'
+
+
+def test_an_explicit_partitioner_that_the_data_set_lacks_is_still_refused():
+    with pytest.raises(ConfigError, match="'data.partitioner' = 'groups' is not defined for 'data.name' = 'prompts'"):
+        parse_run_config({"data.name": "prompts", "data.partitioner": "groups", "data.path": "owner/set", "eval.every": 0})

@@ -142,3 +142,22 @@ def test_a_qwen25_instruct_student_with_a_qwen3_teacher_fails_on_the_template_pa
 def test_the_sandbox_pair_renders_the_same_ids_on_the_template_pair_row():
     rows = {r.check: r for r in run_checks({}).rows}
     assert rows["template pair"].status == OK and "render the training prompt to the same ids" in rows["template pair"].detail
+
+
+def test_an_unreachable_hub_model_lists_every_check_it_skipped_and_what_each_needs(model_copies, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    report = run_checks({**_pair(model_copies), "model.teacher": "nobody-here/no-such-model-xyz", "rollout.backend": "hf"})
+    rows = {r.check: r for r in report.rows}
+    assert rows["teacher model"].status == FAIL and "hf download nobody-here/no-such-model-xyz" in rows["teacher model"].detail
+    skipped = [r.check for r in report.rows if r.status == "skip"]
+    assert skipped == ["model pair", "stop tokens", "chat template", "template pair", "prompts", "positions", "GPU memory"]
+    assert all(rows[c].detail.startswith("not checked: needs ") for c in skipped)
+    assert {"torch", "engines", "packing"} <= set(rows)  # what needs only this host still ran
+
+
+def test_the_download_advice_is_a_command_of_the_installed_hub_client():
+    hf = Path(sys.executable).parent / "hf"
+    assert hf.is_file(), "huggingface_hub's `hf` command is not installed beside this interpreter"
+    out = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "repo_id" in out.stdout.lower().replace("-", "_"), out.stdout + out.stderr

@@ -124,6 +124,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     for group, fields in groups.items():
         top[group] = dataclasses.replace(getattr(base, group), **fields)
     cfg = dataclasses.replace(base, **top)
+    if cfg.data.partitioner == "auto" and cfg.data.name in PROMPT_SETS:  # the set's own default (an unknown name is refused below)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, partitioner=PROMPT_SETS[cfg.data.name].partitioners[0]))
     _check_cross(cfg)
     return cfg
 

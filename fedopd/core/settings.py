@@ -126,9 +126,9 @@ class DataSettings:
         "the partition, the prompt pool and the held-out problems (the paper's MATH partition uses 42); runs with other `seed`s keep them, so seeds differ only in training randomness",
     )
     partitioner: str = setting(
-        "groups",
-        _choice(PARTITIONERS),
-        "`groups` (the set's own fixed groups: the paper's three MATH subject groups, the sandbox's three skill groups), or a Flower Datasets partitioner: `iid`, `dirichlet`, `natural` (one client per value of `data.partition-by`). `sandbox` and `math` take all four, `prompts` the last three, `tiny-arith` only `groups`",
+        "auto",
+        _choice(("auto", *PARTITIONERS)),
+        "`auto`: the data set's own first choice (`groups` for `sandbox`, `math` and `tiny-arith`, `iid` for `prompts`; the run folder's `config.json` records the choice); `groups` (the set's own fixed groups: the paper's three MATH subject groups, the sandbox's three skill groups), or a Flower Datasets partitioner: `iid`, `dirichlet`, `natural` (one client per value of `data.partition-by`). `sandbox` and `math` take all four, `prompts` the last three, `tiny-arith` only `groups`",
     )
     partition_by: str = setting(
         "group",
