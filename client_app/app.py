@@ -23,8 +23,10 @@ strategy's name (:mod:`client_app.handlers`).
 from __future__ import annotations
 
 import math
+import tempfile
 import traceback
 from logging import ERROR
+from pathlib import Path
 
 from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -92,9 +94,40 @@ def handle(kind: str, msg: Message, context: Context) -> Message:
             cfg = parse_run_config(context.run_config)
             content = HANDLERS[kind](msg.content, context.state, pid, num, cfg, context.node_config, context.run_id, context.node_id)
     except Exception as err:  # noqa: BLE001 - every failure is a reply; its details stay here
-        log(ERROR, "%s failed on this node: %s", kind, "".join(traceback.format_exception(err)).rstrip())
+        log_failure(kind, err, context)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=public_reason(err, kind)), reply_to=msg)
     return Message(content=content, reply_to=msg)
+
+
+def trace_file(run_id: int, node_id: int) -> Path:
+    """Where a simulated client keeps the tracebacks of its failures: the system's temporary folder,
+    ``fedtops-client-errors/run-<run id>/node-<node id>.log``."""
+    return Path(tempfile.gettempdir()) / "fedtops-client-errors" / f"run-{int(run_id)}" / f"node-{int(node_id)}.log"
+
+
+def log_failure(what: str, err: BaseException, context: Context | None) -> None:
+    """A failure in this ClientApp, in this node's log. A deployment node's log is its own: the
+    whole traceback goes there. A simulated client's log is the run's stream, shared by every client
+    and the server: one line (the exception's type and the first line of its text) that names the
+    file holding the traceback (:func:`trace_file`)."""
+    from fedopd.data.node_data import deployment_node
+    from fedtops_strategy.text import escape
+
+    trace = "".join(traceback.format_exception(err)).rstrip()
+    if context is None or deployment_node(context.node_config):
+        log(ERROR, "%s failed on this node: %s", what, trace)
+        return
+    first = (str(err).strip().splitlines() or [""])[0]
+    line = escape(f"{type(err).__name__}: {first}" if first else type(err).__name__, 300)
+    path = trace_file(context.run_id, context.node_id)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(f"{what} failed:\n{trace}\n\n")
+        where = f"traceback in {path}"
+    except OSError as write_err:
+        where = f"traceback not saved: {type(write_err).__name__}"
+    log(ERROR, "%s failed on this node: %s (%s)", what, line, where)
 
 
 def _replace_state(state: RecordDict, new: RecordDict) -> None:
@@ -119,7 +152,7 @@ def privacy_clipping_mod(msg: Message, context: Context, call_next) -> Message:
     try:
         return clip_reply(msg, context, call_next)
     except Exception as err:  # noqa: BLE001 - the message's arrays are the server's: any failure is a reply
-        log(ERROR, "the privacy clipping mod failed on this node: %s", "".join(traceback.format_exception(err)).rstrip())
+        log_failure("the privacy clipping mod", err, context)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=public_reason(err, "train")), reply_to=msg)
 
 

@@ -53,7 +53,7 @@ from fedopd.models import lora
 from fedopd.models.lora import aggregation_gram, from_record
 from fedtops_strategy.averaging import Averager, PrivateMean, RobustMean, Update, WeightedMean
 from fedtops_strategy.bounds import UpdateBounds, all_finite
-from fedtops_strategy.replies import Expected, Rejection, TrainReply, parse_train, settle_partition_claims
+from fedtops_strategy.replies import ERROR_REPLY, Expected, Rejection, TrainReply, parse_train, settle_partition_claims
 from fedtops_strategy.round import RoundResult, ScoreRows, Step, TrainAggregate, TrainRound, apply_step, play_round
 from fedtops_strategy.sampling import NodeSampler, NodesNotConnected, Silence, missing_replies, reply_nodes
 
@@ -217,7 +217,8 @@ class ServerStrategy:
             else:
                 kept.append(reply)
         for r in rejected:
-            log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, r.node_id, r.reason)
+            if not r.reason.startswith(ERROR_REPLY):  # an error reply has its line in the stream already (the grid's reply line)
+                log(WARNING, "round %d: update of node %d left out of the average: %s", server_round, r.node_id, r.reason)
             excluded.append(r.entry())
         # Flower samples nodes in random order; fix one (by partition, then node id) so that the
         # fp32 average, the score query and the round record do not depend on it.

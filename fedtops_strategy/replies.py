@@ -52,6 +52,7 @@ from fedtops_strategy.text import escape, is_safe
 WEIGHT_KEY = "num-examples"
 PARTITION_KEY = "partition-id"
 NODE_KEY = "node-id"  # written by the server into each client's record entry: never from a client
+ERROR_REPLY = "error reply: "  # the start of a Rejection reason for a client's error reply
 TEACHER_SCORES, CHANGE_SCORES, SCORE_SE = "teacher-scores", "change-scores", "teacher-score-se"
 
 MAX_METRICS = 64
@@ -301,7 +302,7 @@ def settle_partition_claims(replies: Sequence) -> tuple[list, list[dict[str, Any
 
 def _check_error(message) -> None:
     if message.has_error():
-        raise _Refused(f"error reply: {escape(message.error.reason, MAX_REASON_CHARS)}")
+        raise _Refused(f"{ERROR_REPLY}{escape(message.error.reason, MAX_REASON_CHARS)}")
 
 
 def _only_metrics(message, expected: Expected, vectors: Sequence[str]) -> dict[str, Metric]:

@@ -274,3 +274,45 @@ def test_a_worker_keeps_one_runs_encoded_prompt_pools(monkeypatch):
             worker._encoded(cfg, None, "train", pid, 3)
             worker._encoded(cfg, None, "heldout", pid, 3)
     assert sorted(worker._PROMPTS.values()) == sorted((4, kind, pid) for kind in ("train", "heldout") for pid in range(3))
+
+
+def _failing_handle(monkeypatch, tmp_path, node_config):
+    from flwr.app import Context, Message, Metadata
+
+    import client_app.app as client_app
+    from client_app.handlers import HANDLERS
+
+    def train(*args):
+        raise ValueError("rollout.backend = 'vllm' needs vLLM\nsecond line of the message")
+
+    monkeypatch.setitem(HANDLERS, "train", train)
+    monkeypatch.setattr(client_app.tempfile, "gettempdir", lambda: str(tmp_path))
+    context = Context(run_id=5, node_id=7, node_config=node_config, state=RecordDict(), run_config=parse_run_config({}).to_run_config())
+    meta = Metadata(
+        run_id=5, message_id="m", src_node_id=0, dst_node_id=7, reply_to_message_id="", group_id="1", created_at=0.0, ttl=600.0, message_type="train"
+    )
+    content = RecordDict({"arrays": ArrayRecord({"a": Array(np.zeros(2, np.float32))}), "config": ConfigRecord({"server-round": 1})})
+    return client_app.handle("train", Message(content=content, metadata=meta), context)
+
+
+def test_a_simulated_clients_failure_is_one_line_in_the_stream_and_its_traceback_a_file(monkeypatch, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    reply = _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2})
+    trace = tmp_path / "fedtops-client-errors" / "run-5" / "node-7.log"
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == f"train failed on this node: ValueError: rollout.backend = 'vllm' needs vLLM (traceback in {trace})"
+    text = trace.read_text()
+    assert text.startswith("train failed:\nTraceback (most recent call last):") and "second line of the message" in text
+    assert reply.error.reason == "ValueError in the client's train (details in this node's log)"  # the reply is unchanged
+
+
+def test_a_deployment_nodes_failure_keeps_the_whole_traceback_in_its_own_log(monkeypatch, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2, "client-state-dir": str(tmp_path / "state")})
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("train failed on this node: Traceback (most recent call last):") and "second line of the message" in line
+    assert not (tmp_path / "fedtops-client-errors").exists()

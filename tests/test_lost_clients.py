@@ -156,7 +156,9 @@ def _folder(root):
     return run
 
 
-def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_message(tmp_path, monkeypatch):
+def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_message(tmp_path, monkeypatch, caplog):
+    import logging
+
     from fedopd.core.errors import LocalError
     from server_app.app import RunFailed
     from server_app.run_folder import read_rounds, read_status
@@ -167,9 +169,13 @@ def test_a_run_in_which_no_client_can_train_in_round_one_fails_with_the_clients_
         "no client returned a valid update in round 1: node 1001, 1002, 1003: "
         "LocalError: node config 'data-path': does not exist (details in this node's log)"
     )
+    caplog.set_level(logging.INFO, logger="flwr")
     with pytest.raises(RunFailed) as raised:
         _run_folder(tmp_path, {})
     assert str(raised.value) == expected
+    for node in (1001, 1002, 1003):  # each client's error: one line of the stream (the grid's), not another warning
+        lines = [r.getMessage() for r in caplog.records if f"node {node}" in r.getMessage() and "no client returned" not in r.getMessage()]
+        assert lines == [f"  node {node}: train failed: LocalError: node config 'data-path': does not exist (details in this node's log)"], lines
     run = _folder(tmp_path)
     status = read_status(run)
     assert status["status"] == "failed" and status["error"] == expected
