@@ -75,10 +75,26 @@ def _no_process_left(work: Path) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+def _netns_usable() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"fedtops-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    return made
+
+
+NETNS = _netns_usable()
+
+
 @pytest.fixture(scope="module")
 def tls_run(tmp_path_factory):
+    """Two SuperNodes over TLS with authentication; where this host allows it (root, ``ip netns``)
+    each in a network namespace of its own (one deployment for the TLS and the namespace tests: each
+    costs two minutes on 2 cores)."""
     tmp = tmp_path_factory.mktemp("tls")
-    done, run = deploy(tmp)
+    done, run = deploy(tmp, *(["--netns"] if NETNS else []))
     return tmp, done, run
 
 
@@ -110,11 +126,12 @@ def test_the_hosts_ray_ran_with_token_authentication(tls_run):
     assert done.returncode == 0 and run is not None
     work = tmp / "work"
     assert "ray-insecure" not in (work / "supernode-0.log").read_text()
-    token = work / "ray.token"
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600
-    secret = token.read_text().strip()
-    assert len(secret) == 64 and secret not in done.stdout + done.stderr
-    assert not [p.name for p in work.rglob("*") if p.is_file() and p != token and secret in p.read_text(errors="replace")]
+    tokens = [work / f"ray-{i}.token" for i in range(2)] if NETNS else [work / "ray.token"]  # with --netns, one Ray per host
+    for token in tokens:
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        secret = token.read_text().strip()
+        assert len(secret) == 64 and secret not in done.stdout + done.stderr
+        assert not [p.name for p in work.rglob("*") if p.is_file() and p not in tokens and secret in p.read_text(errors="replace")]
 
 
 def test_each_host_loads_its_models_once(tls_run):
@@ -280,22 +297,12 @@ def test_a_supernode_lost_mid_round_is_left_out_and_the_run_goes_on(lost_run, ph
     assert (run / "round-002" / "adapter_model.safetensors").is_file()
 
 
-def _netns_usable() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    name = f"fedtops-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
-    return made
-
-
-@pytest.mark.skipif(not _netns_usable(), reason="needs root and a working `ip netns`")
-def test_supernodes_in_their_own_network_namespaces_reach_the_superlink_by_address(tmp_path):
-    done, run = deploy(tmp_path, "--netns")
+@pytest.mark.skipif(not NETNS, reason="needs root and a working `ip netns`")
+def test_supernodes_in_their_own_network_namespaces_reach_the_superlink_by_address(tls_run):
+    tmp, done, run = tls_run
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     assert [r["round"] for r in rounds(run) if r["round"] > 0] == [1, 2]
-    fleet = re.findall(r"\[uvicorn\.access\] ([0-9.]+):\d+ - \"POST /v1/fleet/", (tmp_path / "work" / "superlink.log").read_text())
+    fleet = re.findall(r"\[uvicorn\.access\] ([0-9.]+):\d+ - \"POST /v1/fleet/", (tmp / "work" / "superlink.log").read_text())
     assert fleet and "127.0.0.1" not in fleet  # no SuperNode request came over loopback
     assert len({a for a in fleet}) == 2 and all(a.startswith("10.") for a in fleet)  # one address per SuperNode
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
