@@ -110,8 +110,30 @@ def aggregation_error_summary(record: dict) -> str:
     return line
 
 
-def round_summary(record: dict, num_rounds: int) -> str:
-    """One readable line per round for ``flwr run --stream``."""
+def eta_seconds(records: list[dict], num_rounds: int) -> float | None:
+    """Seconds left after the last of ``records``: the rounds left times the mean seconds a
+    recorded round took (training, and its evaluation where there was one: every ``eval.every``-th
+    round's cost spread over all); None when no round is left or none was timed."""
+    timed = [r for r in records if r.get("round", 0) > 0 and isinstance(r.get("seconds"), int | float)]
+    left = num_rounds - records[-1]["round"] if records else 0
+    if not timed or left <= 0:
+        return None
+    return left * sum(r["seconds"] + (r.get("eval_seconds") or 0.0) for r in timed) / len(timed)
+
+
+def duration_text(seconds: float) -> str:
+    """``45 s``, ``3 min 20 s``, ``2 h 05 min``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def round_summary(record: dict, num_rounds: int, eta: float | None = None) -> str:
+    """One readable line per round for ``flwr run --stream``; ``eta``: the run's seconds left
+    (:func:`eta_seconds`), shown after the round's own."""
     if record["round"] == 0:
         return (
             f"round 0/{num_rounds} [{record['strategy']}] initial adapter{evaluation_summary(record.get('evaluation'))}"
@@ -149,7 +171,8 @@ def round_summary(record: dict, num_rounds: int) -> str:
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
         f"feasible {feasible} | client {what} {kl}{aggregation_error_summary(record)}{evaluation_summary(record.get('evaluation'))}"
-        f"{communication_summary(record)}{privacy_summary(record)} | {record.get('seconds', 0.0):.1f} s{flags}"
+        f"{communication_summary(record)}{privacy_summary(record)} | {record.get('seconds', 0.0):.1f} s"
+        f"{'' if eta is None else f' | ETA {duration_text(eta)}'}{flags}"
     )
 
 

@@ -16,7 +16,7 @@ from fedopd.core.procinfo import rss_mb
 from fedopd.models.lora import from_record
 from fedtops_strategy.round import RoundResult
 from server_app.evaluation import evaluate_round, is_evaluation_round
-from server_app.log_lines import round_summary
+from server_app.log_lines import eta_seconds, round_summary
 from server_app.progress import FIGURE, draw, run_title
 from server_app.run_folder import RunFolder, read_rounds
 from server_app.tracking import Trackers
@@ -93,9 +93,10 @@ class RoundRecorder:
         """The record to ``rounds.jsonl``, the status, the stream's line, the trackers, the figure."""
         self.run.append_round(record)
         self.run.write_status("running", server_round)
-        log(INFO, "%s", round_summary(record, self.cfg.num_server_rounds))
+        records = read_rounds(self.run.path)
+        log(INFO, "%s", round_summary(record, self.cfg.num_server_rounds, eta_seconds(records, self.cfg.num_server_rounds)))
         self.trackers.log_round(record)
         try:
-            draw(read_rounds(self.run.path), self.run.path / FIGURE, self.title)
+            draw(records, self.run.path / FIGURE, self.title)
         except Exception as err:  # noqa: BLE001 - a figure must never stop a run
             log(WARNING, "could not draw %s: %s", self.run.path / FIGURE, err)

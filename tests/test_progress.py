@@ -191,3 +191,14 @@ def test_the_aggregation_error_is_a_scalar_in_percent_and_part_of_the_round_line
     held = {**record, "multiplier": 0.0, "aggregation-error-applied": None}
     assert "applied" not in round_summary(held, 4) and "server/aggregation_error_applied" not in round_scalars(held)
     assert "factor-average" not in round_summary({"round": 1, "strategy": "local", "clients": []}, 4)
+
+
+def test_the_eta_is_the_rounds_left_times_the_mean_recorded_round_with_its_evaluation():
+    from server_app.log_lines import duration_text, eta_seconds, round_summary
+
+    records = [{"round": 0, "eval_seconds": 9.0}, {"round": 1, "seconds": 2.0}, {"round": 2, "seconds": 3.0, "eval_seconds": 5.0}]
+    assert eta_seconds(records, 10) == 8 * (2.0 + 8.0) / 2  # round 0's evaluation is not a round's
+    assert eta_seconds(records, 2) is None and eta_seconds(records[:1], 10) is None
+    assert [duration_text(s) for s in (44.6, 200, 7500)] == ["45 s", "3 min 20 s", "2 h 05 min"]
+    line = round_summary({"round": 2, "strategy": "fedavg", "clients": [], "seconds": 3.0, "multiplier": 1.0}, 10, eta=40.0)
+    assert line.endswith("| 3.0 s | ETA 40 s")
