@@ -114,6 +114,16 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, overrides)
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2``: integers >= 0; a ValueError names the bad one."""
+    seeds = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item.isdigit():
+            raise ValueError(f"--seeds: {item!r} is not an integer >= 0")
+        seeds.append(int(item))
+    return seeds
+
+
 def plan(
     base: Mapping[str, Any], variants: Sequence[Variant], vary: Sequence[tuple[str, Sequence[Any]]], seeds: Sequence[int], runs_root: Path
 ) -> list[Cell]:
@@ -127,6 +137,9 @@ def plan(
     keys = [k for k, _ in vary]
     if len(set(keys)) != len(keys):
         raise ValueError("--vary: a key is given twice")
+    fixed = sorted(set(base) & set(FIXED_KEYS))
+    if fixed:
+        raise ValueError(f"--run-config sets {', '.join(fixed)}, which this command sets itself (--seeds, --runs)")
     cells = []
     for variant in variants:
         for values in itertools.product(*(vals for _, vals in vary)):
@@ -361,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--jobs and --num-clients must be >= 1")
     runs_root = args.runs or args.out / "runs"
     try:  # every configuration is valid before the first run starts
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        seeds = parse_seeds(args.seeds)
         base = overrides_from_args(args.run_config) if args.run_config else {}
         variants = [parse_variant(v) for v in args.variant] or [Variant("base")]
         cells = plan(base, variants, [parse_vary(v) for v in args.vary], seeds, runs_root)

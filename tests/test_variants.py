@@ -133,3 +133,13 @@ def test_two_variants_run_in_process_and_a_second_call_reuses_them(tmp_path, cap
     capsys.readouterr()
     assert variants.main(args) == 0
     assert "2 of 2 runs already finished (reused); running 0" in capsys.readouterr().out
+
+
+def test_seeds_are_integers_and_the_base_may_not_set_what_the_command_sets(tmp_path):
+    assert variants.parse_seeds("0, 7,12") == [0, 7, 12]
+    for bad in ("0,x", "1,,2", "-1", "1.5"):
+        with pytest.raises(ValueError, match="--seeds"):
+            variants.parse_seeds(bad)
+    for key in ("seed", "output-dir"):
+        with pytest.raises(ValueError, match=f"--run-config sets {key}"):
+            variants.plan({key: 1}, [Variant("a")], [], [0], tmp_path)
