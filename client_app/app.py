@@ -23,7 +23,10 @@ strategy's name (:mod:`client_app.handlers`).
 from __future__ import annotations
 
 import math
+import os
+import stat
 import tempfile
+import time
 import traceback
 from logging import ERROR
 from pathlib import Path
@@ -101,8 +104,22 @@ def handle(kind: str, msg: Message, context: Context) -> Message:
 
 def trace_file(run_id: int, node_id: int) -> Path:
     """Where a simulated client keeps the tracebacks of its failures: the system's temporary folder,
-    ``fedtops-client-errors/run-<run id>/node-<node id>.log``."""
-    return Path(tempfile.gettempdir()) / "fedtops-client-errors" / f"run-{int(run_id)}" / f"node-{int(node_id)}.log"
+    ``fedtops-client-errors-<uid>/run-<run id>/node-<node id>.log`` (this user's own folder)."""
+    return Path(tempfile.gettempdir()) / f"fedtops-client-errors-{os.getuid()}" / f"run-{int(run_id)}" / f"node-{int(node_id)}.log"
+
+
+def _append_private(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` in folders only this user may enter (0700, checked), never
+    through a symbolic link."""
+    root = path.parents[1]
+    for folder in (root, path.parent):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(f"{folder} is not a private folder of this user")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a", encoding="utf-8", errors="backslashreplace") as f:
+        f.write(text)
 
 
 def log_failure(what: str, err: BaseException, context: Context | None) -> None:
@@ -121,13 +138,11 @@ def log_failure(what: str, err: BaseException, context: Context | None) -> None:
     line = escape(f"{type(err).__name__}: {first}" if first else type(err).__name__, 300)
     path = trace_file(context.run_id, context.node_id)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(f"{what} failed:\n{trace}\n\n")
-        where = f"traceback in {path}"
-    except OSError as write_err:
-        where = f"traceback not saved: {type(write_err).__name__}"
-    log(ERROR, "%s failed on this node: %s (%s)", what, line, where)
+        _append_private(path, f"{what} failed at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}):\n{trace}\n\n")
+    except OSError as write_err:  # the file is not there to hold it: the stream gets the whole traceback
+        log(ERROR, "%s failed on this node (traceback not saved to %s: %s): %s", what, path, type(write_err).__name__, trace)
+        return
+    log(ERROR, "%s failed on this node: %s (traceback in %s)", what, line, path)
 
 
 def _replace_state(state: RecordDict, new: RecordDict) -> None:

@@ -14,8 +14,8 @@ From Python::
 The question is rendered exactly as training and held-out evaluation render a problem
 (:func:`fedopd.data.render_prompt`: the paper's instruction in the student's chat template,
 ``enable_thinking=False``); the answer is decoded greedily (``--temperature`` > 0 samples, with
-``--top-p`` and ``--seed``) up to the run's ``eval.max-new-tokens`` and stops at the run's resolved
-stop tokens (``config.json``). The base model is the one the adapter names
+``--top-p`` and ``--seed``) up to the run's ``eval.max-new-tokens`` and stops at the stop tokens the
+run resolved (``config.json``'s ``resolved``; no teacher file is read). The base model is the one the adapter names
 (``adapter_config.json``'s ``base_model_name_or_path``: a hub id, a local folder or a built-in model),
 unless ``--model`` says otherwise. With a plain adapter folder (no run folder around it) the stop set
 is the model's own EOS tokens (and ``--teacher``'s, as in training) and the cap ``--max-new-tokens``.
@@ -50,6 +50,7 @@ class AdapterSource:
     stop_tokens: str  # rollout.stop-tokens of the run ('auto' without a run)
     max_new_tokens: int | None  # eval.max-new-tokens of the run
     run: Path | None
+    resolved_stop: dict | None = None  # the run's resolved stop set (config.json), {"ids": [...], "tokens": [...]}
 
 
 def _round_folders(run: Path) -> list[Path]:
@@ -97,6 +98,7 @@ def find_adapter(path: str | Path, round: int | None = None, client: int | None 
         stop_tokens=str(config.get("rollout.stop-tokens", "auto")),
         max_new_tokens=config.get("eval.max-new-tokens"),
         run=run,
+        resolved_stop=(config.get("resolved") or {}).get("rollout.stop-tokens") if model is None else None,
     )
 
 
@@ -121,10 +123,14 @@ class Answerer:
         from eval.run import evaluation_stop_tokens, lora_settings_of
         from fedopd.models import attach_lora, load_causal_lm
         from fedopd.models.lora import load_adapter
+        from fedopd.models.vocab import StopTokens
         from fedopd.rollout import make_rollout_engine
 
         source = find_adapter(path, round, client, model)
-        stop = evaluation_stop_tokens(source.model, teacher or source.teacher, source.stop_tokens)
+        if source.resolved_stop and teacher is None:  # the very stop set the run used, no teacher file read
+            stop = StopTokens(tuple(int(i) for i in source.resolved_stop["ids"]), tuple(source.resolved_stop["tokens"]))
+        else:
+            stop = evaluation_stop_tokens(source.model, teacher or source.teacher, source.stop_tokens)
         student = attach_lora(load_causal_lm(source.model, dtype=dtype), lora_settings_of(source.adapter), seed=0)
         engine = make_rollout_engine("hf", student, stop_token_ids=stop.ids)
         engine.set_adapter(load_adapter(source.adapter, student.lora_names()))

@@ -424,7 +424,9 @@ def grade_once(run: Path) -> None:
 def run_cells(configs: dict, runs: dict, todo: list, jobs: int, describe) -> None:
     """:func:`eval.variants.run_cells` for grid cells: run each one in ``todo`` (or take its
     finished run) and grade its final adapter(s) per problem (:func:`grade_once`)."""
-    variants.run_cells(configs, runs, todo, jobs, describe, post=grade_once)
+    failed = variants.run_cells(configs, runs, todo, jobs, describe, post=grade_once)
+    if failed:  # the grid's tables and intervals need every cell
+        raise RuntimeError("grid cells failed: " + "; ".join(f"{cell}: {error}" for cell, error in failed.items()))
 
 
 def load_grades(rows: list[dict[str, Any]]) -> dict[tuple[str, float, int], dict[str, np.ndarray]]:

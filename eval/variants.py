@@ -72,7 +72,7 @@ class Cell:
 
 
 def _text(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _value(text: str) -> Any:
@@ -85,11 +85,33 @@ def _value(text: str) -> Any:
         return text
 
 
+SCALARS = (str, bool, int, float)
+
+
+def _values(rest: str) -> tuple[Any, ...]:
+    """The values after ``KEY=``: a TOML array's items when ``[rest]`` is one of scalars (so
+    ``'a,b','c'`` keeps its quoted comma), else each comma-separated item as a TOML scalar or, when
+    it is none (a bare word, a date), as the text itself."""
+    import tomllib
+
+    try:
+        items = tomllib.loads(f"v = [{rest}]")["v"]
+        if items and all(isinstance(v, SCALARS) for v in items):
+            return tuple(items)
+    except tomllib.TOMLDecodeError:
+        pass
+    out = []
+    for item in (x.strip() for x in rest.split(",")):
+        value = _value(item)
+        out.append(value if isinstance(value, SCALARS) else item)
+    return tuple(out)
+
+
 def parse_vary(text: str) -> tuple[str, tuple[Any, ...]]:
     """``KEY=V1,V2,...`` -> (key, values); a ValueError names what is wrong."""
     key, sep, rest = text.partition("=")
     key = key.strip()
-    values = tuple(_value(v.strip()) for v in rest.split(",")) if sep else ()
+    values = _values(rest) if sep and rest.strip() else ()
     if not key or not sep or not values or any(v == "" for v in values):
         raise ValueError(f"--vary {text!r}: expected KEY=V1,V2,... (e.g. train.lr=3e-4,3e-3)")
     if key in FIXED_KEYS:
@@ -125,10 +147,17 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def plan(
-    base: Mapping[str, Any], variants: Sequence[Variant], vary: Sequence[tuple[str, Sequence[Any]]], seeds: Sequence[int], runs_root: Path
+    base: Mapping[str, Any],
+    variants: Sequence[Variant],
+    vary: Sequence[tuple[str, Sequence[Any]]],
+    seeds: Sequence[int],
+    runs_root: Path,
+    num_clients: int | None = None,
 ) -> list[Cell]:
     """Every (variant, --vary values, seed), variants outermost; each config is ``base``, then the
-    variant's overrides, then the values, then the seed and its folder under ``runs_root``."""
+    variant's overrides, then the values, then the seed and its folder under ``runs_root``;
+    ``num_clients`` (when given) where the config leaves ``num-clients`` at 0. Two runs that would
+    share a folder are refused."""
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"--variant: a name is repeated ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
@@ -146,8 +175,14 @@ def plan(
             pairs = tuple(zip(keys, values))
             for seed in seeds:
                 config = {**base, **variant.overrides, **dict(pairs), "seed": int(seed)}
+                if num_clients is not None and not config.get("num-clients"):
+                    config["num-clients"] = num_clients  # in process no SuperNodes are counted: the run's own number, compared on reuse
                 cell = Cell(variant.name, pairs, int(seed), config)
                 cells.append(Cell(variant.name, pairs, int(seed), {**config, "output-dir": str(runs_root / cell.folder_name)}))
+    folders = [c.config["output-dir"] for c in cells]
+    same = sorted({f for f in folders if folders.count(f) > 1})
+    if same:
+        raise ValueError(f"two runs would share the folder {same[0]!r}: give the variants or values names that differ in letters or digits")
     return cells
 
 
@@ -160,10 +195,10 @@ def comparable(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def finished_run(folder: Path, config: Mapping[str, Any]) -> Path | None:
-    """A run folder anywhere under ``folder`` with this resolved config (:func:`comparable`) and its
-    last round done (and evaluated, unless ``eval.every`` is 0)."""
+    """A run folder anywhere under ``folder`` with this resolved config (:func:`comparable`) that
+    completed (``status.json``) with its last round done (and evaluated, unless ``eval.every`` is 0)."""
     from fedopd.config import ConfigError, parse_run_config
-    from server_app.run_folder import read_rounds, read_run_config
+    from server_app.run_folder import read_rounds, read_run_config, read_status
 
     want = comparable(config)
     cfg = parse_run_config(dict(config))
@@ -175,7 +210,8 @@ def finished_run(folder: Path, config: Mapping[str, Any]) -> Path | None:
             rounds = read_rounds(run)
         except (OSError, ValueError, ConfigError):
             continue
-        if rounds and rounds[-1]["round"] == cfg.num_server_rounds and (rounds[-1].get("evaluation") or not cfg.eval.every):
+        done = read_status(run).get("status") in ("completed", "budget-spent")
+        if done and rounds and rounds[-1]["round"] == cfg.num_server_rounds and (rounds[-1].get("evaluation") or not cfg.eval.every):
             return run
     return None
 
@@ -186,18 +222,29 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
+def newest_run(folder: Path) -> Path | None:
+    """The newest run folder (``config.json``) directly under ``folder``, if any."""
+    runs = [p.parent for p in Path(folder).glob("*/config.json")] if Path(folder).is_dir() else []
+    return max(runs, key=lambda p: (p / "config.json").stat().st_mtime, default=None)
+
+
 def run_cell(
     config: Mapping[str, Any] | None, run: Path | None = None, num_clients: int = 3, post: Callable[[Path], Any] | None = None
-) -> tuple[Path, float]:
-    """Run ``config`` in process (or take the finished ``run``), then ``post(run)``; (run folder, seconds)."""
+) -> tuple[Path | None, float, str | None]:
+    """Run ``config`` in process (or take the finished ``run``), then ``post(run)``: (run folder,
+    seconds, None), or where the run raised (run folder if it made one, seconds, the error: the
+    run folder's ``status.json`` says ``failed``; ``post`` is skipped)."""
     from server_app.inprocess import run_in_process
 
     t0 = time.perf_counter()
     if run is None:
-        run = run_in_process(config, num_clients=num_clients)
+        try:
+            run = run_in_process(config, num_clients=num_clients)
+        except Exception as err:  # noqa: BLE001 - one failed run is a row of the table, not the end of the command
+            return newest_run(Path(config["output-dir"])), time.perf_counter() - t0, f"{type(err).__name__}: {err}"
     if post is not None:
         post(run)
-    return run, time.perf_counter() - t0
+    return run, time.perf_counter() - t0, None
 
 
 def num_clients_of(config: Mapping[str, Any], default: int = 3) -> int:
@@ -213,13 +260,15 @@ def run_cells(
     describe: Callable[[Any, Path], str],
     post: Callable[[Path], Any] | None = None,
     num_clients: int = 3,
-) -> None:
+) -> dict[Any, str]:
     """Run the cells in ``todo`` (or only ``post`` them where ``runs[cell]`` is already a run),
     ``jobs`` at once in fresh single-threaded interpreters; ``runs[cell]`` becomes each one's run
-    folder, and ``[i/n] describe(cell, run)`` with its seconds is printed as each finishes. ``post``
-    must be a module-level function (it is pickled to the workers)."""
+    folder (None for a run that failed before making one), and ``[i/n] describe(cell, run)`` with
+    its seconds is printed as each finishes. Returns the error of each cell whose run failed.
+    ``post`` must be a module-level function (it is pickled to the workers)."""
+    failed: dict[Any, str] = {}
     if not todo:
-        return
+        return failed
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -229,8 +278,14 @@ def run_cells(
         futures = {pool.submit(run_cell, configs[c], runs[c], num_clients_of(configs[c], num_clients), post): c for c in todo}
         for i, future in enumerate(as_completed(futures), 1):
             cell = futures[future]
-            runs[cell], seconds = future.result()
-            print(f"[{i}/{len(todo)}] {describe(cell, runs[cell])} ({seconds:.0f} s; {time.perf_counter() - started:.0f} s so far)", flush=True)
+            runs[cell], seconds, error = future.result()
+            so_far = f"{seconds:.0f} s; {time.perf_counter() - started:.0f} s so far"
+            if error is not None:
+                failed[cell] = error
+                print(f"[{i}/{len(todo)}] FAILED: {error} ({runs[cell] or 'no run folder'}; {so_far})", flush=True)
+            else:
+                print(f"[{i}/{len(todo)}] {describe(cell, runs[cell])} ({so_far})", flush=True)
+    return failed
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -255,12 +310,21 @@ def final_scores(run: Path) -> dict[str, Any]:
     }
 
 
-def result_rows(cells: Sequence[Cell], runs: Mapping[Cell, Path]) -> list[dict[str, Any]]:
-    """One ``results.json`` row per run."""
-    return [
-        {"variant": c.variant, "label": c.label, "values": dict(c.values), "seed": c.seed, "run": str(runs[c]), **final_scores(runs[c])}
-        for c in cells
-    ]
+def result_rows(cells: Sequence[Cell], runs: Mapping[Cell, Path | None], errors: Mapping[Cell, str] | None = None) -> list[dict[str, Any]]:
+    """One ``results.json`` row per run (a run that failed before making a folder: status
+    ``failed``, no scores; ``error``: why a run failed in this call)."""
+    errors = errors or {}
+    rows = []
+    for c in cells:
+        run = runs[c]
+        scores = final_scores(run) if run is not None else {"evaluation": None, "evaluated_round": None, "rounds": 0, "status": None, "seconds": 0.0}
+        if c in errors and scores["status"] in (None, "running"):
+            scores["status"] = "failed"
+        row = {"variant": c.variant, "label": c.label, "values": dict(c.values), "seed": c.seed, "run": str(run) if run else None, **scores}
+        if c in errors:
+            row["error"] = errors[c]
+        rows.append(row)
+    return rows
 
 
 def _k(rows: Sequence[Mapping[str, Any]]) -> int | None:
@@ -305,9 +369,9 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
         minutes = np.mean([r["seconds"] for r in mine]) / 60
         seeds = ",".join(str(r["seed"]) for r in mine)
         out.append(f"| {label} | " + " | ".join(vals) + f" | {seeds} | {minutes:.1f} |")
-    failed = [r for r in rows if r.get("status") not in (None, "completed", "budget-spent")]
-    note = "".join(f"\n{r['label']} seed {r['seed']}: {r['status']} ({r['run']})" for r in failed)
-    return "\n".join(out) + "\n" + note
+    failed = [r for r in rows if r.get("status") not in ("completed", "budget-spent")]
+    notes = [f"- {r['label']} seed {r['seed']}: {r.get('status') or 'no status'} ({r.get('run') or 'no run folder'})" for r in failed]
+    return "\n".join(out) + "\n" + ("\nDid not complete:\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def plot_heldout(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
@@ -324,7 +388,9 @@ def plot_heldout(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     drawn = 0
     for i, label in enumerate(dict.fromkeys(r["label"] for r in rows)):
         curves = [
-            {r["round"]: r["evaluation"]["accuracy"] for r in read_rounds(row["run"]) if r.get("evaluation")} for row in rows if row["label"] == label
+            {r["round"]: r["evaluation"]["accuracy"] for r in read_rounds(row["run"]) if r.get("evaluation")}
+            for row in rows
+            if row["label"] == label and row.get("run")
         ]
         xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if not xs:
@@ -377,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_seeds(args.seeds)
         base = overrides_from_args(args.run_config) if args.run_config else {}
         variants = [parse_variant(v) for v in args.variant] or [Variant("base")]
-        cells = plan(base, variants, [parse_vary(v) for v in args.vary], seeds, runs_root)
+        ignored = sorted(set(base) & set(FIXED_KEYS))
+        if ignored:  # a preset file names them for flwr run; here --seeds and --runs do
+            print(f"note: the base config's {', '.join(ignored)} are set by this command (--seeds, --runs): ignored", file=sys.stderr)
+            base = {k: v for k, v in base.items() if k not in FIXED_KEYS}
+        cells = plan(base, variants, [parse_vary(v) for v in args.vary], seeds, runs_root, num_clients=args.num_clients)
         for cell in cells:
             check_server_requirements(parse_run_config(dict(cell.config)))
     except (ConfigError, ValueError) as err:
@@ -397,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         tail = f"greedy {score['evaluation']['accuracy']:.1f}%" if score["evaluation"] else "not evaluated"
         return f"{cell.label} seed {cell.seed}: {score['status']}, {tail} ({run})"
 
-    run_cells({c: c.config for c in cells}, runs, todo, args.jobs, done, num_clients=args.num_clients)
-    rows = result_rows(cells, runs)
+    errors = run_cells({c: c.config for c in cells}, runs, todo, args.jobs, done, num_clients=args.num_clients)
+    rows = result_rows(cells, runs, errors)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     text = comparison_table(rows)

@@ -32,8 +32,9 @@ EXECUTABLE = "flower-superlink"
 
 
 def flwr_home() -> Path:
-    """Flower's home folder as ``flwr`` resolves it: ``$FLWR_HOME``, else ``~/.flwr``."""
-    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr").expanduser()
+    """Flower's home folder exactly as ``flwr`` resolves it (``flwr.supercore.utils.get_flwr_home``):
+    ``$FLWR_HOME`` as written, else ``~/.flwr``."""
+    return Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else Path.home() / ".flwr"
 
 
 def managed_log_file(home: Path) -> Path:
@@ -41,14 +42,16 @@ def managed_log_file(home: Path) -> Path:
     return home / "local-superlink" / "superlink.log"
 
 
-def is_project_superlink(cmdline: Sequence[str], prefix: Path, home: Path) -> bool:
+def is_project_superlink(cmdline: Sequence[str], prefix: Path, home: Path, cwd: str | None = None) -> bool:
     """Whether a process's command line is the local SuperLink that ``flwr run`` started from the
-    environment at ``prefix`` with Flower home ``home``."""
+    environment at ``prefix`` with Flower home ``home`` (relative paths: against the process's own
+    working directory ``cwd``, and ``home`` against this one's, as each was started)."""
     args = list(cmdline)
     executable = os.path.realpath(Path(prefix) / "bin" / EXECUTABLE)
     runs_it = any(os.path.realpath(a) == executable for a in args[:2])  # the script itself, or the interpreter running it
     log = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--log-file"] + [a.split("=", 1)[1] for a in args if a.startswith("--log-file=")]
-    return runs_it and any(os.path.realpath(value) == os.path.realpath(managed_log_file(home)) for value in log)
+    want = os.path.realpath(managed_log_file(home))
+    return runs_it and any(os.path.realpath(os.path.join(cwd or os.getcwd(), value)) == want for value in log)
 
 
 def project_superlinks(prefix: Path | None = None, home: Path | None = None) -> list[psutil.Process]:
@@ -58,7 +61,8 @@ def project_superlinks(prefix: Path | None = None, home: Path | None = None) -> 
     found = []
     for proc in psutil.process_iter(["cmdline", "uids"]):
         try:
-            if proc.info["uids"] and proc.info["uids"].real == uid and is_project_superlink(proc.info["cmdline"] or (), prefix, home):
+            mine = proc.info["uids"] and proc.info["uids"].real == uid and EXECUTABLE in " ".join(proc.info["cmdline"] or ())
+            if mine and is_project_superlink(proc.info["cmdline"] or (), prefix, home, proc.cwd()):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -261,7 +261,13 @@ class MlflowTracker:
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
-            experiment_id = self.client.create_experiment(where.mlflow_experiment, artifact_location=local_artifact_location(where.mlflow_uri))
+            try:
+                experiment_id = self.client.create_experiment(where.mlflow_experiment, artifact_location=local_artifact_location(where.mlflow_uri))
+            except Exception:  # another run created it between the two calls (runs sharing a store)
+                experiment = self.client.get_experiment_by_name(where.mlflow_experiment)
+                if experiment is None:
+                    raise
+                experiment_id = experiment.experiment_id
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -295,7 +301,7 @@ def local_artifact_location(uri: str) -> str | None:
     prefix = "sqlite:///"
     if not uri.startswith(prefix) or uri == prefix + ":memory:":
         return None
-    return (Path(uri[len(prefix) :]).expanduser().absolute().parent / "mlartifacts").as_uri()
+    return (Path(uri[len(prefix) :]).absolute().parent / "mlartifacts").as_uri()  # as SQLAlchemy reads it: no ~
 
 
 class Trackers:

@@ -17,7 +17,8 @@ def _adapter(folder, base="builtin:sandbox-student"):
 def _run(tmp_path, rounds=(0, 1, 2), local=False):
     run = tmp_path / "20260101-000000-fedtops"
     run.mkdir()
-    config = {"model.student": "Org/Student", "model.teacher": "Org/Teacher", "rollout.stop-tokens": "auto", "eval.max-new-tokens": 64}
+    config = {"model.student": "Org/Student", "model.teacher": "Org/Teacher", "rollout.stop-tokens": "auto", "eval.max-new-tokens": 64,
+              "resolved": {"rollout.stop-tokens": {"ids": [2, 7], "tokens": ["<|im_end|>", "<|endoftext|>"]}}}  # fmt: skip
     (run / "config.json").write_text(json.dumps(config))
     for n in rounds:
         for sub in ("client-0", "client-1") if local else ("",):
@@ -30,6 +31,8 @@ def test_a_run_folder_gives_its_last_rounds_adapter_and_the_runs_model_stop_set_
     source = find_adapter(run)
     assert source.adapter == run / "round-002"
     assert (source.model, source.teacher, source.stop_tokens, source.max_new_tokens) == ("Org/Student", "Org/Teacher", "auto", 64)
+    assert source.resolved_stop == {"ids": [2, 7], "tokens": ["<|im_end|>", "<|endoftext|>"]}  # what the run used: no teacher file is read
+    assert find_adapter(run, model="Other/Model").resolved_stop is None  # another model: its own stop set
     assert find_adapter(run, round=1).adapter == run / "round-001"
     assert find_adapter(run, model="Other/Model").model == "Other/Model"
 

@@ -297,14 +297,16 @@ def _failing_handle(monkeypatch, tmp_path, node_config):
 
 def test_a_simulated_clients_failure_is_one_line_in_the_stream_and_its_traceback_a_file(monkeypatch, tmp_path, caplog):
     import logging
+    import os
 
     caplog.set_level(logging.DEBUG, logger="flwr")
     reply = _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2})
-    trace = tmp_path / "fedtops-client-errors" / "run-5" / "node-7.log"
+    trace = tmp_path / f"fedtops-client-errors-{os.getuid()}" / "run-5" / "node-7.log"
     [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line == f"train failed on this node: ValueError: rollout.backend = 'vllm' needs vLLM (traceback in {trace})"
     text = trace.read_text()
-    assert text.startswith("train failed:\nTraceback (most recent call last):") and "second line of the message" in text
+    assert text.startswith("train failed at ") and "\nTraceback (most recent call last):" in text and "second line of the message" in text
+    assert oct(trace.parent.stat().st_mode & 0o777) == "0o700" and oct(trace.stat().st_mode & 0o777) == "0o600"
     assert reply.error.reason == "ValueError in the client's train (details in this node's log)"  # the reply is unchanged
 
 
@@ -315,4 +317,35 @@ def test_a_deployment_nodes_failure_keeps_the_whole_traceback_in_its_own_log(mon
     _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2, "client-state-dir": str(tmp_path / "state")})
     [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line.startswith("train failed on this node: Traceback (most recent call last):") and "second line of the message" in line
-    assert not (tmp_path / "fedtops-client-errors").exists()
+    assert not list(tmp_path.glob("fedtops-client-errors*"))
+
+
+def test_a_traceback_file_that_is_not_private_is_not_written_and_the_stream_gets_the_traceback(monkeypatch, tmp_path, caplog):
+    import logging
+    import os
+
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    shared = tmp_path / f"fedtops-client-errors-{os.getuid()}"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)  # another user could plant files in it
+    _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2})
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("train failed on this node (traceback not saved to") and "PermissionError" in line and "second line of the message" in line
+    assert not (shared / "run-5").exists()
+
+
+def test_a_symbolic_link_in_place_of_the_traceback_file_is_not_followed(monkeypatch, tmp_path, caplog):
+    import logging
+    import os
+
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    target = tmp_path / "victim.txt"
+    target.write_text("keep")
+    folder = tmp_path / f"fedtops-client-errors-{os.getuid()}" / "run-5"
+    folder.mkdir(parents=True, mode=0o700)
+    os.chmod(folder.parent, 0o700)
+    (folder / "node-7.log").symlink_to(target)
+    _failing_handle(monkeypatch, tmp_path, {"partition-id": 0, "num-partitions": 2})
+    assert target.read_text() == "keep"
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "traceback not saved to" in line and "second line of the message" in line

@@ -29,6 +29,18 @@ def test_another_environment_another_flower_home_or_a_hand_started_superlink_is_
     assert not ls.is_project_superlink([], PREFIX, HOME)
 
 
+def test_a_relative_log_file_is_read_against_the_superlinks_own_working_directory():
+    assert ls.is_project_superlink([SCRIPT, "--log-file", "local-superlink/superlink.log"], PREFIX, HOME, cwd=str(HOME))
+    assert not ls.is_project_superlink([SCRIPT, "--log-file", "local-superlink/superlink.log"], PREFIX, HOME, cwd="/tmp")
+
+
+def test_flower_home_is_read_as_flower_reads_it(monkeypatch):
+    monkeypatch.setenv("FLWR_HOME", "~/fl")
+    assert ls.flwr_home() == Path("~/fl")  # Flower does not expand it either: the SuperLink's paths say ~/fl
+    monkeypatch.delenv("FLWR_HOME")
+    assert ls.flwr_home() == Path.home() / ".flwr"
+
+
 def _imitation(prefix: Path, home: Path, with_child: bool) -> subprocess.Popen:
     """A process whose command line is the local SuperLink's (``python SCRIPT --log-file LOG``), optionally with a child."""
     script = prefix / "bin" / "flower-superlink"

@@ -40,6 +40,7 @@ def test_a_finished_run_with_the_same_config_is_reused_and_an_unfinished_one_is_
     run.mkdir()
     (run / "config.json").write_text(json.dumps(parse_run_config(config).to_run_config()))
     (run / "rounds.jsonl").write_text(json.dumps({"round": 1, "evaluation": {"accuracy": 1.0}}) + "\n")
+    (run / "status.json").write_text(json.dumps({"status": "completed"}))
     assert sandbox.finished_run(tmp_path, config) is None  # stopped after round 1 of 2
     with open(run / "rounds.jsonl", "a") as f:
         f.write(json.dumps({"round": 2, "evaluation": {"accuracy": 2.0}}) + "\n")
@@ -120,6 +121,7 @@ def _write_run(folder, config, rounds):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(_jsonable(parse_run_config(config).to_run_config())))
     (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (folder / "status.json").write_text(json.dumps({"status": "completed"}))
     return folder
 
 

@@ -496,11 +496,19 @@ def test_a_destination_in_the_run_config_beats_the_variable_and_the_variable_bea
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("uri", ["http://alice:token@host:5000", "https://tok@host", "databricks://u:p@ws"])
+@pytest.mark.parametrize(
+    "uri", ["http://alice:token@host:5000", "https://tok@host", "databricks://u:p@ws", " https://u:p@h", "https://u:p\r@h", "https://u:p\t@h"]
+)
 def test_an_mlflow_uri_with_credentials_is_refused_naming_the_key(uri):
     with pytest.raises(ConfigError, match="run config 'logging.mlflow-uri'.*without credentials"):
         parse_run_config({"logging.mlflow-uri": uri})
     assert parse_run_config({"logging.mlflow-uri": "http://host:5000/path@x"}).logging.mlflow_uri.endswith("@x")  # '@' after the host is a path
+
+
+def test_an_mlflow_uri_with_whitespace_or_a_control_character_is_refused():
+    for uri in ("http://host:5000/a b", "sqlite:////tmp/m.db\x00", "http://host\x7f:5000"):  # parsers drop or stop at them
+        with pytest.raises(ConfigError, match="logging.mlflow-uri"):
+            parse_run_config({"logging.mlflow-uri": uri})
 
 
 def test_each_clients_series_is_named_by_partition_with_the_reward_in_percent():

@@ -119,20 +119,24 @@ def test_bad_input_stops_the_command_before_any_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_variants_run_in_process_and_a_second_call_reuses_them(tmp_path, capsys):
-    args = ["-c", "num-server-rounds=1 eval.every=1 eval.prompts-per-client=4 eval.samples=2 rollout.per-round=8", "--variant", "fedavg: strategy.name='fedavg'",
-            "--variant", "fixed2: strategy.name='fixed' strategy.multiplier=2.0", "--out", str(tmp_path)]  # fmt: skip
-    assert variants.main(args) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["label"], r["status"], r["rounds"]) for r in rows] == [("fedavg", "completed", 1), ("fixed2", "completed", 1)]
-    for r in rows:  # the table's scores are the runs' own last evaluation
-        from server_app.run_folder import read_rounds
+def test_variants_run_in_process_a_failed_one_is_reported_and_a_second_call_reuses_the_finished(tmp_path, capsys):
+    from server_app.run_folder import read_rounds
 
-        assert r["evaluation"] == read_rounds(r["run"])[-1]["evaluation"]
-    assert (tmp_path / "heldout.png").is_file() and "| fedavg |" in (tmp_path / "table.md").read_text()
+    args = ["-c", "num-server-rounds=1 eval.every=1 eval.prompts-per-client=4 eval.samples=2 rollout.per-round=8", "--variant", "fedavg: strategy.name='fedavg'",
+            "--variant", "fixed2: strategy.name='fixed' strategy.multiplier=2.0", "--variant", "broken: rollout.stop-tokens='nosuchtoken'",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert variants.main(args) == 1  # one run failed: the command says so, after the others ran
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["label"], r["status"]) for r in rows] == [("fedavg", "completed"), ("fixed2", "completed"), ("broken", "failed")]
+    assert "nosuchtoken" in rows[2]["error"]
+    for r in rows[:2]:  # the table's scores are the runs' own last evaluation
+        assert r["rounds"] == 1 and r["evaluation"] == read_rounds(r["run"])[-1]["evaluation"]
+    table = (tmp_path / "table.md").read_text()
+    assert "| fedavg |" in table and "| broken | – |" in table and "- broken seed 0: failed" in table
+    assert (tmp_path / "heldout.png").is_file()
     capsys.readouterr()
-    assert variants.main(args) == 0
-    assert "2 of 2 runs already finished (reused); running 0" in capsys.readouterr().out
+    assert variants.main(args) == 1
+    assert "2 of 3 runs already finished (reused); running 1" in capsys.readouterr().out
 
 
 def test_seeds_are_integers_and_the_base_may_not_set_what_the_command_sets(tmp_path):
@@ -143,3 +147,41 @@ def test_seeds_are_integers_and_the_base_may_not_set_what_the_command_sets(tmp_p
     for key in ("seed", "output-dir"):
         with pytest.raises(ValueError, match=f"--run-config sets {key}"):
             variants.plan({key: 1}, [Variant("a")], [], [0], tmp_path)
+
+
+def test_a_run_that_failed_in_its_last_round_is_not_reused(tmp_path):
+    config = {"num-server-rounds": 2, "eval.every": 0}
+    run = _finished(tmp_path / "runs" / "r1", config, evaluated=False)
+    assert variants.finished_run(tmp_path / "runs", config) == run
+    (run / "status.json").write_text(json.dumps({"status": "failed", "error": "no client returned a valid update"}))
+    assert variants.finished_run(tmp_path / "runs", config) is None
+
+
+def test_a_quoted_comma_stays_in_its_value_and_a_toml_date_stays_text():
+    assert variants.parse_vary("rollout.stop-tokens='<|im_end|>,<|endoftext|>','auto'") == (
+        "rollout.stop-tokens", ("<|im_end|>,<|endoftext|>", "auto"),
+    )  # fmt: skip
+    assert variants.parse_vary("data.path=2024-01-01,x") == ("data.path", ("2024-01-01", "x"))
+
+
+def test_values_that_print_alike_get_folders_of_their_own_and_a_clash_is_refused(tmp_path):
+    cells = variants.plan({}, [Variant("a")], [("train.lr", (1e-4, 1.000001e-4))], [0], tmp_path)
+    assert len({c.config["output-dir"] for c in cells}) == 2 and len({c.label for c in cells}) == 2
+    with pytest.raises(ValueError, match="two runs would share the folder"):
+        variants.plan({}, [Variant("a")], [("data.path", ("x y", "x_y"))], [0], tmp_path)
+
+
+def test_the_number_of_in_process_clients_is_part_of_the_config_a_reused_run_must_match(tmp_path):
+    [three] = variants.plan({}, [Variant("a")], [], [0], tmp_path, num_clients=3)
+    [six] = variants.plan({}, [Variant("a")], [], [0], tmp_path, num_clients=6)
+    [own] = variants.plan({"num-clients": 5}, [Variant("a")], [], [0], tmp_path, num_clients=3)
+    assert (three.config["num-clients"], six.config["num-clients"], own.config["num-clients"]) == (3, 6, 5)
+    assert variants.comparable(three.config) != variants.comparable(six.config)
+
+
+def test_a_failed_run_is_a_row_that_says_so_under_the_table(tmp_path):
+    [cell] = variants.plan({}, [Variant("a")], [], [0], tmp_path)
+    [row] = variants.result_rows([cell], {cell: None}, {cell: "RunFailed: no client returned a valid update"})
+    assert (row["status"], row["run"], row["evaluation"], row["error"]) == ("failed", None, None, "RunFailed: no client returned a valid update")
+    text = variants.comparison_table([row])
+    assert "| a | – | 0 | 0.0 |" in text and "\n\nDid not complete:\n- a seed 0: failed (no run folder)\n" in text

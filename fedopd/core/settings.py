@@ -427,10 +427,19 @@ def _plain_text() -> Spec:
     return str, lambda v: "\n" not in v and "\r" not in v, "a string on one line ('': unset)"
 
 
+def _no_credentials(uri: str) -> bool:
+    """No whitespace or control character anywhere (URL parsers drop some), no ``user@`` before the host."""
+    from urllib.parse import urlsplit
+
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in uri):
+        return False
+    return not _USERINFO_URI.match(uri) and "@" not in urlsplit(uri).netloc
+
+
 def _uri_without_credentials() -> Spec:
     return (
         str,
-        lambda v: "\n" not in v and not _USERINFO_URI.match(v),
+        _no_credentials,
         "'' (unset) or a tracking URI without credentials (they go in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
         "never in the run config, which the run folder and the trackers keep)",
     )
