@@ -175,6 +175,8 @@ def plan(
             pairs = tuple(zip(keys, values))
             for seed in seeds:
                 config = {**base, **variant.overrides, **dict(pairs), "seed": int(seed)}
+                if not config.get("logging.run-name"):  # the trackers' name of the run: what the table calls it
+                    config["logging.run-name"] = f"{Cell(variant.name, pairs, int(seed), {}).label} seed {int(seed)}"
                 if num_clients is not None and not config.get("num-clients"):
                     config["num-clients"] = num_clients  # in process no SuperNodes are counted: the run's own number, compared on reuse
                 cell = Cell(variant.name, pairs, int(seed), config)
@@ -286,6 +288,26 @@ def run_cells(
             else:
                 print(f"[{i}/{len(todo)}] {describe(cell, runs[cell])} ({so_far})", flush=True)
     return failed
+
+
+def open_shared_stores(configs: Sequence[Mapping[str, Any]]) -> None:
+    """Create, in this process, each MLflow store and experiment that runs at once will share
+    (``logging.mlflow`` with a ``logging.mlflow-uri`` or ``MLFLOW_TRACKING_URI``): a new sqlite
+    store's tables are made on first use, and two runs making them together collide."""
+    import os
+
+    from fedopd.config import parse_run_config
+    from server_app.tracking import destinations, mlflow_experiment
+
+    seen = set()
+    for config in configs:
+        cfg = parse_run_config(dict(config))
+        if not cfg.logging.mlflow or not (cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+            continue  # off, or one store per run folder
+        where = destinations(cfg.logging, os.environ, Path(cfg.output_dir))
+        if (where.mlflow_uri, where.mlflow_experiment) not in seen:
+            seen.add((where.mlflow_uri, where.mlflow_experiment))
+            mlflow_experiment(where.mlflow_uri, where.mlflow_experiment)
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -418,7 +440,7 @@ def plot_heldout(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     from fedopd.config import ConfigError, parse_run_config
-    from fedopd.config.parse import check_server_requirements
+    from fedopd.config.parse import check_local_prompts, check_server_requirements
     from fedopd.config.presets import add_run_config_option, overrides_from_args
 
     p = argparse.ArgumentParser(prog="python -m eval.variants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -448,15 +470,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: the base config's {', '.join(ignored)} are set by this command (--seeds, --runs): ignored", file=sys.stderr)
             base = {k: v for k, v in base.items() if k not in FIXED_KEYS}
         cells = plan(base, variants, [parse_vary(v) for v in args.vary], seeds, runs_root, num_clients=args.num_clients)
-        for cell in cells:
-            check_server_requirements(parse_run_config(dict(cell.config)))
+        checked: dict[str, None] = {}
+        for cell in cells:  # the keys, the ServerApp's needs and the prompt files' contents, as each run's ServerApp checks them
+            cfg = parse_run_config(dict(cell.config))
+            check_server_requirements(cfg)
+            data_key = json.dumps(
+                {k: v for k, v in cfg.to_run_config().items() if k.split(".")[0] in ("data", "eval", "rollout", "cache", "strategy", "num-clients")},
+                sort_keys=True,
+                default=str,
+            )
+            if data_key not in checked:
+                check_local_prompts(cfg, num_clients_of(cell.config, args.num_clients), fetch=True)
+                checked[data_key] = None
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
     runs: dict[Cell, Path | None] = {c: finished_run(runs_root, c.config) for c in cells}
     todo = [c for c in cells if runs[c] is None]
-    print(f"{len(cells) - len(todo)} of {len(cells)} runs already finished (reused); running {len(todo)} with {args.jobs} job(s)", flush=True)
+    doing = "would run" if args.dry_run else "running"
+    print(f"{len(cells) - len(todo)} of {len(cells)} runs already finished (reused); {doing} {len(todo)} with {args.jobs} job(s)", flush=True)
     if args.dry_run:
         for c in cells:
             print(f"  {c.label} seed {c.seed}: {runs[c] or 'to run'}")
@@ -467,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         tail = f"greedy {score['evaluation']['accuracy']:.1f}%" if score["evaluation"] else "not evaluated"
         return f"{cell.label} seed {cell.seed}: {score['status']}, {tail} ({run})"
 
+    if args.jobs > 1:
+        open_shared_stores([c.config for c in todo])
     errors = run_cells({c: c.config for c in cells}, runs, todo, args.jobs, done, num_clients=args.num_clients)
     rows = result_rows(cells, runs, errors)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -147,7 +147,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     supports = capabilities(cfg.strategy.name)
     privacy = run_privacy(cfg, strategy)
     privacy.check_first_round()
-    check_data(cfg, num_clients, scoring_cache=supports.scoring_cache)
+    check_data(cfg, num_clients)
     # The pair and its stop set, from the models' files, before anything is written: a pair the
     # clients would refuse stops here, and config.json records where responses end.
     stop = run_stop_tokens(cfg.model.student, cfg.model.teacher, cfg.rollout.stop_tokens)
@@ -207,32 +207,20 @@ def _final_status(run: RunFolder) -> str:
         return "failed"
 
 
-def check_data(cfg: RunConfig, num_partitions: int, scoring_cache: str = "round") -> None:
+def check_data(cfg: RunConfig, num_partitions: int) -> None:
     """The prompt set and its partition over ``num_partitions`` clients, before anything is
-    written (:func:`fedopd.data.check_prompt_set`): empty partitions, a partition-by column that
-    is not there, too few sandbox problems, files without their columns, gold answers that
-    math-verify cannot parse. ``data.name = 'prompts'`` files that are not on this host (a hub id,
-    or files that only the clients hold) are checked by each client when it loads them. A held-out
-    scoring cache (``scoring_cache = 'untrained'``) needs ``cache.rollouts`` prompts beyond a round's
-    batch on every client."""
-    from fedopd.data import check_prompt_set
+    written (:func:`fedopd.config.parse.check_local_prompts`); ``data.name = 'prompts'`` files that
+    are not on this host (a hub id, or files that only the clients hold) are checked by each client
+    when it loads them."""
+    from fedopd.config.parse import check_local_prompts
 
-    need = None
-    if scoring_cache == "untrained":
-        need = (
-            cfg.rollout.per_round + cfg.cache.rollouts,
-            f"strategy.name = {cfg.strategy.name!r} scores on prompts outside the round's batch: rollout.per-round + cache.rollouts "
-            f"= {cfg.rollout.per_round} + {cfg.cache.rollouts}",
-        )
-
-    if cfg.data.name == "prompts" and not Path(cfg.data.path).expanduser().exists():
-        log(INFO, "data.path = '%s' is not a local path here; each client checks its prompts when it loads them", cfg.data.path)
-        return
     try:
-        check_prompt_set(cfg.data, num_partitions, cfg.eval.prompts_per_client if cfg.eval.every else 0, need)
-    except (ValueError, OSError) as err:
+        skipped = check_local_prompts(cfg, num_partitions, fetch=True)
+    except ConfigError as err:
         log(ERROR, "FedTOPS: the prompt set cannot be used, nothing was run or written: %s", err)
-        raise ConfigError(str(err)) from None
+        raise
+    if skipped:
+        log(INFO, "%s", skipped)
 
 
 def engine_settings(cfg: RunConfig) -> dict:

@@ -61,6 +61,7 @@ class Tracker(Protocol):
 class Destinations:
     """Where W&B and MLflow write, resolved (:func:`destinations`)."""
 
+    run_name: str
     wandb_project: str
     wandb_mode: str
     wandb_dir: Path
@@ -74,6 +75,7 @@ def destinations(settings, env: Mapping[str, str], run_path: Path) -> Destinatio
     with its files in the run folder, MLflow in ``sqlite:///RUN_FOLDER/mlflow.db``."""
     run_path = Path(run_path).absolute()
     return Destinations(
+        run_name=settings.run_name or run_path.name,
         wandb_project=settings.wandb_project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT,
         wandb_mode=settings.wandb_mode or env.get("WANDB_MODE") or "offline",
         wandb_dir=Path(settings.wandb_dir or env.get("WANDB_DIR") or run_path).expanduser(),
@@ -212,6 +214,7 @@ class WandbTracker:
 
         where.wandb_dir.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
+        self.artifact_prefix = re.sub(r"[^\w.-]+", "-", run_name).strip("-") or "run"  # W&B artifact names: letters, digits, - _ .
         self.run = wandb.init(project=where.wandb_project, name=run_name, mode=where.wandb_mode, dir=str(where.wandb_dir), reinit="create_new")
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -227,7 +230,7 @@ class WandbTracker:
         adapters = [(f, n) for f, n in files if "/" in n]
         for suffix, kind, group in (("records", "run-records", records), ("adapters", "model", adapters)):
             if group:
-                artifact = wandb.Artifact(f"{self.run_name}-{suffix}", type=kind)
+                artifact = wandb.Artifact(f"{self.artifact_prefix}-{suffix}", type=kind)
                 for path, name in group:
                     artifact.add_file(str(path), name=name)
                 self.run.log_artifact(artifact)
@@ -253,22 +256,10 @@ class MlflowTracker:
     store (``sqlite:///PATH``) keeps its artifacts beside the store (``mlartifacts/``), not in
     MLflow's default ``./mlruns`` of the working directory."""
 
-    def __init__(self, run_name: str, where: Destinations) -> None:
-        from mlflow import MlflowClient  # needs the 'mlflow' extra
-
-        self.client = MlflowClient(tracking_uri=where.mlflow_uri)
-        experiment = self.client.get_experiment_by_name(where.mlflow_experiment)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            try:
-                experiment_id = self.client.create_experiment(where.mlflow_experiment, artifact_location=local_artifact_location(where.mlflow_uri))
-            except Exception:  # another run created it between the two calls (runs sharing a store)
-                experiment = self.client.get_experiment_by_name(where.mlflow_experiment)
-                if experiment is None:
-                    raise
-                experiment_id = experiment.experiment_id
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+    def __init__(self, run_name: str, where: Destinations, run_folder: Path | None = None) -> None:
+        self.client, experiment_id = mlflow_experiment(where.mlflow_uri, where.mlflow_experiment)
+        tags = {"fedtops.run-folder": str(run_folder)} if run_folder is not None else None
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -293,6 +284,25 @@ class MlflowTracker:
     def close(self, status: str) -> None:
         self.client.set_tag(self.run_id, "fedtops.status", status)
         self.client.set_terminated(self.run_id, "FINISHED" if status in SUCCESS else "FAILED")
+
+
+def mlflow_experiment(uri: str, name: str):
+    """(an MlflowClient on ``uri``, the id of experiment ``name``, created where missing: artifacts
+    beside a local store, :func:`local_artifact_location`). Opening a new sqlite store creates its
+    tables: runs that share a store in parallel (``eval.variants --jobs 2``) open it once first."""
+    from mlflow import MlflowClient  # needs the 'mlflow' extra
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return client, experiment.experiment_id
+    try:
+        return client, client.create_experiment(name, artifact_location=local_artifact_location(uri))
+    except Exception:  # another run created it between the two calls (runs sharing a store)
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return client, experiment.experiment_id
 
 
 def local_artifact_location(uri: str) -> str | None:
@@ -388,11 +398,9 @@ def where_text(key: str, run_path: Path, where: Destinations) -> str:
     if key == "logging.wandb":
         files = where.wandb_dir / "wandb"
         later = f"; upload later: wandb sync {files}/offline-run-*" if where.wandb_mode == "offline" else ""
-        return f"logging.wandb: W&B run {run_path.name} in project {where.wandb_project!r}, mode {where.wandb_mode}, files in {files}{later}"
+        return f"logging.wandb: W&B run {where.run_name!r} in project {where.wandb_project!r}, mode {where.wandb_mode}, files in {files}{later}"
     uri = _USERINFO.sub(r"\1***@", where.mlflow_uri)
-    return (
-        f"logging.mlflow: MLflow run {run_path.name} in experiment {where.mlflow_experiment!r} at {uri} (view: mlflow ui --backend-store-uri {uri})"
-    )
+    return f"logging.mlflow: MLflow run {where.run_name!r} in experiment {where.mlflow_experiment!r} at {uri} (view: mlflow ui --backend-store-uri {uri})"
 
 
 def open_trackers(
@@ -434,8 +442,8 @@ def open_trackers(
 
 FACTORIES: dict[str, Callable[[Path, Destinations], Tracker]] = {
     "logging.tensorboard": lambda path, where: TensorBoardTracker(path / "tensorboard"),
-    "logging.wandb": lambda path, where: WandbTracker(path.name, where),
-    "logging.mlflow": lambda path, where: MlflowTracker(path.name, where),
+    "logging.wandb": lambda path, where: WandbTracker(where.run_name, where),
+    "logging.mlflow": lambda path, where: MlflowTracker(where.run_name, where, path),
 }
 
 

@@ -213,3 +213,18 @@ def test_the_default_partitioner_is_the_data_sets_own_and_the_config_records_the
 def test_an_explicit_partitioner_that_the_data_set_lacks_is_still_refused():
     with pytest.raises(ConfigError, match="'data.partitioner' = 'groups' is not defined for 'data.name' = 'prompts'"):
         parse_run_config({"data.name": "prompts", "data.partitioner": "groups", "data.path": "owner/set", "eval.every": 0})
+
+
+def test_the_offline_check_reads_a_local_prompt_files_columns_and_rows(tmp_path, capsys):
+    from fedopd.config.presets import main
+
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "1+1", "solution": "2"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["--run-config", f"data.name='prompts' data.path='{wrong}' eval.every=0"]) == 1
+    assert "data.problem-column = 'problem' is not a column of" in capsys.readouterr().err
+    assert main(["--run-config", f"data.name='prompts' data.path='{empty}' eval.every=0"]) == 1
+    assert "is empty" in capsys.readouterr().err
+    assert main(["--run-config", "data.name='prompts' data.path='owner/set' eval.every=0"]) == 0  # a hub id: not fetched, said so
+    assert "'owner/set' is not a local path here, so its prompts were not checked" in capsys.readouterr().err

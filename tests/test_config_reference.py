@@ -67,13 +67,16 @@ def test_the_generated_table_changes_with_the_schema():
 
 
 def _readme_overrides() -> list[str]:
-    """The --run-config argument of every README command (inline strings; multi-line ones joined)."""
+    """The --run-config argument of every README command and the overrides of every ``--variant``
+    (inline strings; multi-line ones joined)."""
     text = (REPO / "README.md").read_text()
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         command = block.replace("\\\n", " ")
         for line in re.findall(r"--run-config (\"[^\"]*\"|'[^']*'|\S+)", command):
             found.append(shlex.split(line)[0] if line[0] in "\"'" else line)
+        for variant in re.findall(r"--variant (\"[^\"]*\")", command):  # python -m eval.variants: NAME: overrides
+            found.append(shlex.split(variant)[0].partition(":")[2].strip())
     return found
 
 

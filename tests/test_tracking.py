@@ -261,9 +261,9 @@ def test_trackers_write_where_the_run_config_says_else_in_the_run_folder_never_t
     assert (folder / "mlflow.db").is_file()
     lines = [r.getMessage() for r in tracked["logs"] if r.getMessage().startswith(("logging.wandb:", "logging.mlflow:"))]
     assert lines == [
-        f"logging.wandb: W&B run {folder.name} in project 'from-env', mode offline, files in {root / 'wandb' / 'wandb'}; "
+        f"logging.wandb: W&B run '{folder.name}' in project 'from-env', mode offline, files in {root / 'wandb' / 'wandb'}; "
         f"upload later: wandb sync {root / 'wandb' / 'wandb'}/offline-run-*",
-        f"logging.mlflow: MLflow run {folder.name} in experiment 'fedtops' at {tracked['uri']} (view: mlflow ui --backend-store-uri {tracked['uri']})",
+        f"logging.mlflow: MLflow run '{folder.name}' in experiment 'fedtops' at {tracked['uri']} (view: mlflow ui --backend-store-uri {tracked['uri']})",
     ]
 
 
@@ -281,6 +281,7 @@ def test_mlflow_gets_the_run_folders_records_and_every_adapter_as_artifacts(trac
     local = Path(client.download_artifacts(run.info.run_id, "rounds.jsonl", str(tracked["root"] / "dl")))
     assert local.read_bytes() == (tracked["folder"] / "rounds.jsonl").read_bytes()
     assert str(tracked["folder"]) in run.info.artifact_uri  # beside the store, not ./mlruns
+    assert run.data.tags["fedtops.run-folder"] == str(tracked["folder"])
 
 
 @pytest.mark.slow
@@ -490,7 +491,9 @@ def test_a_destination_in_the_run_config_beats_the_variable_and_the_variable_bea
     assert (got.wandb_project, got.wandb_mode, got.wandb_dir, got.mlflow_uri, got.mlflow_experiment) == (
         "p-env", "online", Path("/env/dir"), "http://env:5000", "e-env",
     )  # fmt: skip
+    assert destinations(_logging(run_name="fedavg seed 0"), env, run).run_name == "fedavg seed 0"
     got = destinations(_logging(), {}, run)
+    assert got.run_name == "r1"  # the run folder's name
     assert (got.wandb_project, got.wandb_mode, got.wandb_dir, got.mlflow_uri, got.mlflow_experiment) == (
         "fedtops", "offline", run, f"sqlite:///{run}/mlflow.db", "fedtops",
     )  # fmt: skip

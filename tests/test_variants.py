@@ -185,3 +185,19 @@ def test_a_failed_run_is_a_row_that_says_so_under_the_table(tmp_path):
     assert (row["status"], row["run"], row["evaluation"], row["error"]) == ("failed", None, None, "RunFailed: no client returned a valid update")
     text = variants.comparison_table([row])
     assert "| a | – | 0 | 0.0 |" in text and "\n\nDid not complete:\n- a seed 0: failed (no run folder)\n" in text
+
+
+def test_a_prompt_file_without_its_columns_stops_the_command_before_any_run(tmp_path, capsys):
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "1+1", "solution": "2"}\n')
+    args = ["--variant", "ok:", "--variant", f"bad: data.name='prompts' data.path='{wrong}' eval.every=0", "--out", str(tmp_path / "out")]
+    assert variants.main(args) == 1
+    assert "data.problem-column = 'problem' is not a column of" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # the good variant did not run first
+
+
+def test_each_run_is_named_in_the_trackers_as_the_table_names_it_unless_the_config_names_it(tmp_path):
+    cells = variants.plan({}, [Variant("fixed3", {"strategy.name": "fixed"})], [("train.lr", (3e-4,))], [1], tmp_path)
+    assert cells[0].config["logging.run-name"] == "fixed3 train.lr=0.0003 seed 1"
+    [own] = variants.plan({"logging.run-name": "mine"}, [Variant("a")], [], [0], tmp_path)
+    assert own.config["logging.run-name"] == "mine"

@@ -211,3 +211,34 @@ def check_server_requirements(cfg: RunConfig) -> None:
                 f"run config '{key}' = true needs the {module} package on the ServerApp's host; "
                 f"allowed: false, or install it with pip install -e '.[{extra}]'"
             )
+
+
+def check_local_prompts(cfg: RunConfig, num_partitions: int, *, fetch: bool = False) -> str | None:
+    """The prompt set and its partition over ``num_partitions`` clients (:func:`fedopd.data.check_prompt_set`:
+    empty partitions, files without their columns or rows, gold answers math-verify cannot parse, a
+    held-out scoring cache without enough prompts); a :class:`ConfigError` names the file, the key and
+    the problem. A ``prompts`` set that is not a local path here (a hub id, files only the clients
+    hold) is left to the clients, and so, unless ``fetch`` (the ServerApp), is MATH from the hub:
+    the reason it was not checked is returned instead."""
+    from pathlib import Path
+
+    from fedopd.core.strategies import capabilities
+    from fedopd.data import check_prompt_set
+    from fedopd.data.prompt_files import looks_local
+
+    local = bool(cfg.data.path) and looks_local(cfg.data.path) and Path(cfg.data.path).expanduser().exists()
+    if (cfg.data.name == "prompts" and not local) or (cfg.data.name == "math" and not local and not fetch):
+        where = f"data.path = {cfg.data.path!r}" if cfg.data.path else f"data.name = {cfg.data.name!r} (from the hub)"
+        return f"{where} is not a local path here, so its prompts were not checked; each client checks them when it loads them"
+    need = None
+    if capabilities(cfg.strategy.name).scoring_cache == "untrained":
+        need = (
+            cfg.rollout.per_round + cfg.cache.rollouts,
+            f"strategy.name = {cfg.strategy.name!r} scores on prompts outside the round's batch: rollout.per-round + cache.rollouts "
+            f"= {cfg.rollout.per_round} + {cfg.cache.rollouts}",
+        )
+    try:
+        check_prompt_set(cfg.data, num_partitions, cfg.eval.prompts_per_client if cfg.eval.every else 0, need)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+    return None

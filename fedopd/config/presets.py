@@ -17,7 +17,7 @@ from typing import Any
 
 import tomllib
 
-from fedopd.config.parse import check_server_requirements, parse_run_config
+from fedopd.config.parse import check_local_prompts, check_server_requirements, parse_run_config
 from fedopd.core.errors import ConfigError
 
 
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("file", nargs="?", help="a TOML file of overrides (e.g. configs/paper-0.6b-1x.toml)")
     add_run_config_option(parser)
+    parser.add_argument(
+        "--num-clients", type=int, default=3, help="clients to check the data's partition for where num-clients is 0 (default 3, as make run)"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         merged = app_defaults()
@@ -90,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             merged.update(overrides_from_args(args.run_config))
         cfg = parse_run_config(merged)
         check_server_requirements(cfg)
+        skipped = check_local_prompts(cfg, cfg.num_clients or args.num_clients)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if skipped:
+        print(f"note: {skipped}", file=sys.stderr)
     print(json.dumps(cfg.to_run_config(), indent=2))
     return 0
 

@@ -457,6 +457,11 @@ class LoggingSettings:
         _bool(),
         "also send the round scalars and each client's series (step = round), the run config, the run's final status and `logging.artifacts` to Weights & Biases, run name = the run folder's name; where to: the `logging.wandb-*` keys, else the `WANDB_*` variables, else offline files in the run folder; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
     )
+    run_name: str = setting(
+        "",
+        _plain_text(),
+        "the run's name in W&B and MLflow; '': the run folder's name (`python -m eval.variants` sets the variant, its values and the seed)",
+    )
     wandb_project: str = setting("", _plain_text(), "W&B project; '': `WANDB_PROJECT`, else `fedtops`")
     wandb_mode: str = setting(
         "",
@@ -591,6 +596,7 @@ RESUME_FREE_KEYS = (
     "timeout.start",
     "logging.tensorboard",
     "logging.wandb",
+    "logging.run-name",
     "logging.wandb-project",
     "logging.wandb-mode",
     "logging.wandb-dir",
