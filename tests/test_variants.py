@@ -201,3 +201,16 @@ def test_each_run_is_named_in_the_trackers_as_the_table_names_it_unless_the_conf
     assert cells[0].config["logging.run-name"] == "fixed3 train.lr=0.0003 seed 1"
     [own] = variants.plan({"logging.run-name": "mine"}, [Variant("a")], [], [0], tmp_path)
     assert own.config["logging.run-name"] == "mine"
+
+
+def test_a_store_that_runs_at_once_will_share_is_created_before_they_start(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    shared = {"logging.mlflow": True, "logging.mlflow-uri": uri, "logging.mlflow-experiment": "cmp"}
+    variants.open_shared_stores([{**shared, "seed": 0}, {**shared, "seed": 1}, {"logging.mlflow": True}, {}])
+    experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name("cmp")
+    assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.db"]  # one per-run-folder store is left to its run
