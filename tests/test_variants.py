@@ -203,6 +203,7 @@ def test_each_run_is_named_in_the_trackers_as_the_table_names_it_unless_the_conf
     assert own.config["logging.run-name"] == "mine"
 
 
+@pytest.mark.slow  # MLflow makes a sqlite store's tables in about 8 s
 def test_a_store_that_runs_at_once_will_share_is_created_before_they_start(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
