@@ -203,7 +203,8 @@ def test_the_config_refuses_groups_for_prompts_and_accepts_held_out_evaluation()
     with pytest.raises(
         ConfigError, match="'data.partitioner' = 'groups' is not defined for 'data.name' = 'prompts'; allowed: 'iid', 'dirichlet', 'natural'"
     ):
-        parse_run_config({"data.name": "prompts", "data.path": "x.jsonl"})
+        parse_run_config({"data.name": "prompts", "data.path": "x.jsonl", "data.partitioner": "groups"})
+    assert parse_run_config({"data.name": "prompts", "data.path": "x.jsonl"}).data.partitioner == "iid"  # the default follows the set
     cfg = parse_run_config({"data.name": "prompts", "data.path": "x.jsonl", "data.partitioner": "iid", "eval.every": 4})
     assert cfg.data.partitioner == "iid"
 

@@ -159,7 +159,8 @@ def test_partitions_are_computed_once_per_process(monkeypatch):
 def test_groups_gives_exactly_the_set_s_own_partitions(tmp_path):
     from fedopd.data import load_math_rows, partition_math, tiny_arith_partition
 
-    settings = _sandbox(prompts_per_client=12, seed=5)
+    settings = _sandbox(prompts_per_client=12, seed=5, partitioner="groups")  # the loaders themselves take a resolved partitioner
+    assert data.partition_rows(_sandbox(prompts_per_client=12, seed=5), 0, 5) == task.client_partition(0, 5, 12, 5)  # 'auto' is groups here
     for pid in range(5):
         assert data.DATASETS["sandbox"].train_rows(settings, pid, 5) == task.client_partition(pid, 5, 12, 5)
         assert data.DATASETS["sandbox"].heldout_rows(settings, pid, 5, 4) == task.client_heldout(pid, 5, 4)
@@ -172,7 +173,7 @@ def test_groups_gives_exactly_the_set_s_own_partitions(tmp_path):
     ]
     path = tmp_path / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    math_settings = DataSettings(name="math", prompts_per_client=5, path=str(path), seed=1)
+    math_settings = DataSettings(name="math", prompts_per_client=5, path=str(path), seed=1, partitioner="groups")
     expected = partition_math(load_math_rows(str(path)), 5, 1)
     assert [data.DATASETS["math"].train_rows(math_settings, pid, 3) for pid in range(3)] == expected
 

@@ -22,6 +22,7 @@ from fedopd.core.errors import ConfigError
 from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig
 from fedopd.core.strategies import CAPABILITIES
 from fedopd.data.registry import DATASETS as PROMPT_SETS
+from fedopd.data.registry import resolve_partitioner
 from fedopd.distill.loss import DIVERGENCES
 from fedopd.rollout.vllm_engine import check_vllm_sampling
 
@@ -124,8 +125,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunConfig:
     for group, fields in groups.items():
         top[group] = dataclasses.replace(getattr(base, group), **fields)
     cfg = dataclasses.replace(base, **top)
-    if cfg.data.partitioner == "auto" and cfg.data.name in PROMPT_SETS:  # the set's own default (an unknown name is refused below)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, partitioner=PROMPT_SETS[cfg.data.name].partitioners[0]))
+    cfg = dataclasses.replace(cfg, data=resolve_partitioner(cfg.data))  # 'auto': the set's own default (an unknown name is refused below)
     _check_cross(cfg)
     return cfg
 

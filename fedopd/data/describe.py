@@ -17,6 +17,9 @@ def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int
     (n, why), every client must have at least n training prompts. Raises ``ValueError`` naming
     the run-config key. Cheap for the built-in sets (``math`` with ``groups`` is not loaded here).
     """
+    from fedopd.data.registry import resolve_partitioner
+
+    data = resolve_partitioner(data)
     if data.name not in DATASETS:
         raise ValueError(f"data.name = {data.name!r} is not a registered prompt set; allowed: {', '.join(DATASETS)}")
     prompt_set = DATASETS[data.name]
@@ -52,6 +55,9 @@ def check_prompt_set(data: DataSettings, num_partitions: int, heldout_count: int
 
 def describe(data: DataSettings, num_partitions: int, heldout_count: int = 0) -> str:
     """Each partition's size and mix over ``data.partition-by`` (and its held-out problems)."""
+    from fedopd.data.registry import resolve_partitioner
+
+    data = resolve_partitioner(data)
     from fedopd.data.partition import describe_partition
 
     prompt_set = DATASETS[data.name]
@@ -80,6 +86,9 @@ def describe(data: DataSettings, num_partitions: int, heldout_count: int = 0) ->
 
 def plot_partitions(data: DataSettings, num_partitions: int, out: str) -> None:
     """Flower Datasets' per-partition label distribution (over ``data.partition-by``) as a file."""
+    from fedopd.data.registry import resolve_partitioner
+
+    data = resolve_partitioner(data)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,6 +13,7 @@ A row is a dict with at least ``problem`` and ``answer`` (the gold answer as a s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,13 +101,24 @@ register_dataset("math", _math_train, partitioners=PARTITIONERS)
 register_dataset("prompts", _partitioned, _partitioned_heldout, partitioners=("iid", "dirichlet", "natural"))
 
 
+def resolve_partitioner(data: DataSettings) -> DataSettings:
+    """``data`` with ``partitioner = 'auto'`` replaced by its set's own first choice (``groups``
+    for the built-in sets, ``iid`` for ``prompts``); a parsed run config has it resolved already,
+    settings built by hand get it here."""
+    if data.partitioner != "auto" or data.name not in DATASETS:
+        return data
+    return dataclasses.replace(data, partitioner=DATASETS[data.name].partitioners[0])
+
+
 def partition_rows(data: DataSettings, partition_id: int, num_partitions: int) -> list[dict]:
     """The training rows of one client partition (the prompt set ``data.name``, :data:`DATASETS`)."""
+    data = resolve_partitioner(data)
     return DATASETS[data.name].train_rows(data, partition_id, num_partitions)
 
 
 def heldout_rows(data: DataSettings, partition_id: int, num_partitions: int, count: int) -> list[dict]:
     """The held-out rows of one client, never among any client's training prompts."""
+    data = resolve_partitioner(data)
     loader = DATASETS[data.name].heldout_rows
     if loader is None:
         allowed = ", ".join(repr(n) for n, d in DATASETS.items() if d.heldout_rows is not None)
