@@ -305,9 +305,13 @@ def open_shared_stores(configs: Sequence[Mapping[str, Any]]) -> None:
         if not cfg.logging.mlflow or not (cfg.logging.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")):
             continue  # off, or one store per run folder
         where = destinations(cfg.logging, os.environ, Path(cfg.output_dir))
-        if (where.mlflow_uri, where.mlflow_experiment) not in seen:
-            seen.add((where.mlflow_uri, where.mlflow_experiment))
+        if not where.mlflow_uri.startswith("sqlite:") or (where.mlflow_uri, where.mlflow_experiment) in seen:
+            continue  # a tracking server makes its own tables
+        seen.add((where.mlflow_uri, where.mlflow_experiment))
+        try:
             mlflow_experiment(where.mlflow_uri, where.mlflow_experiment)
+        except Exception as err:  # noqa: BLE001 - tracking never stops a run: each run reports its tracker's failure
+            print(f"warning: could not open the MLflow store {where.mlflow_uri}: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 # -- results ---------------------------------------------------------------------------------

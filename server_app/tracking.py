@@ -206,6 +206,18 @@ def session_end(success: bool):
     return Summary(value=[Summary.Value(tag=SESSION_END_INFO_TAG, metadata=metadata)])
 
 
+def artifact_prefix(run_name: str, limit: int = 128 - len("-adapters")) -> str:
+    """A W&B artifact name's stem from a run name: ASCII letters, digits, ``-``, ``_``, ``.``
+    (anything else becomes ``-``), at most ``limit`` characters (W&B takes 128 in all): a longer
+    one is cut and ends in 8 hex digits of its hash, so two long names stay apart."""
+    import hashlib
+
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", run_name).strip("-") or "run"
+    if len(stem) <= limit:
+        return stem
+    return f"{stem[: limit - 9]}-{hashlib.sha256(run_name.encode()).hexdigest()[:8]}"
+
+
 class WandbTracker:
     """A W&B run named after the run folder, where :class:`Destinations` says."""
 
@@ -214,7 +226,7 @@ class WandbTracker:
 
         where.wandb_dir.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
-        self.artifact_prefix = re.sub(r"[^\w.-]+", "-", run_name).strip("-") or "run"  # W&B artifact names: letters, digits, - _ .
+        self.artifact_prefix = artifact_prefix(run_name)
         self.run = wandb.init(project=where.wandb_project, name=run_name, mode=where.wandb_mode, dir=str(where.wandb_dir), reinit="create_new")
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -227,4 +227,20 @@ def test_the_offline_check_reads_a_local_prompt_files_columns_and_rows(tmp_path,
     assert main(["--run-config", f"data.name='prompts' data.path='{empty}' eval.every=0"]) == 1
     assert "is empty" in capsys.readouterr().err
     assert main(["--run-config", "data.name='prompts' data.path='owner/set' eval.every=0"]) == 0  # a hub id: not fetched, said so
-    assert "'owner/set' is not a local path here, so its prompts were not checked" in capsys.readouterr().err
+    assert "data.path = 'owner/set' is not a path on this host, so its prompts were not read here" in capsys.readouterr().err
+
+
+def test_the_offline_check_reads_what_the_loader_reads_and_says_what_it_did_not(tmp_path, monkeypatch):
+    from fedopd.config.parse import check_local_prompts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "myset").mkdir(parents=True)
+    (tmp_path / "data" / "myset" / "a.jsonl").write_text('{"question": "1+1", "solution": "2"}\n')
+    with pytest.raises(ConfigError, match="is not a column of"):  # a relative folder without ./ is still a local one
+        check_local_prompts(parse_run_config({"data.name": "prompts", "data.path": "data/myset", "eval.every": 0}), 3)
+    with pytest.raises(ConfigError, match="3 subject-group clients; num-partitions is 4"):  # needs no download
+        check_local_prompts(parse_run_config({"data.name": "math", "eval.every": 0}), 4)
+    assert "not downloaded for this offline check" in check_local_prompts(parse_run_config({"data.name": "math", "eval.every": 0}), 3)
+    (tmp_path / "ok.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n' * 40)
+    hub_eval = parse_run_config({"data.name": "prompts", "data.path": "ok.jsonl", "data.eval-path": "owner/evalset", "eval.every": 0})
+    assert "data.eval-path = 'owner/evalset' is not a path on this host" in check_local_prompts(hub_eval, 3)

@@ -596,3 +596,12 @@ def test_tensorboard_gets_the_config_as_hyperparameters_and_the_runs_end(tmp_pat
     assert start["resolved.stop-tokens"].string_value == "[1, 2]"
     assert [m.name.tag for m in data["_hparams_/experiment"].experiment.metric_infos] == ["heldout/greedy", "clients/loss_last", "server/multiplier"]
     assert data["_hparams_/session_end_info"].session_end_info.status == 2  # STATUS_FAILURE
+
+
+def test_a_long_or_non_ascii_run_name_gives_a_w_and_b_artifact_name_within_its_limit():
+    from server_app.tracking import artifact_prefix
+
+    assert artifact_prefix("fedavg seed 0") == "fedavg-seed-0"
+    assert artifact_prefix("δ=0.05 seed 1") == "0.05-seed-1"
+    long_a, long_b = "x" * 150 + " a", "x" * 150 + " b"
+    assert len(artifact_prefix(long_a)) == 128 - len("-adapters") and artifact_prefix(long_a) != artifact_prefix(long_b)

@@ -215,3 +215,17 @@ def test_a_store_that_runs_at_once_will_share_is_created_before_they_start(tmp_p
     experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name("cmp")
     assert experiment is not None and experiment.artifact_location == (tmp_path / "mlartifacts").as_uri()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.db"]  # one per-run-folder store is left to its run
+
+
+def test_only_a_new_sqlite_store_is_opened_before_parallel_runs_and_a_failure_there_is_a_warning(monkeypatch, capsys):
+    import server_app.tracking as tracking
+
+    opened = []
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(tracking, "mlflow_experiment", lambda uri, name: opened.append(uri) or (_ for _ in ()).throw(OSError("disk")))
+    variants.open_shared_stores([{"logging.mlflow": True, "logging.mlflow-uri": "http://127.0.0.1:9"}])
+    assert opened == []  # a tracking server makes its own tables
+    variants.open_shared_stores([{"logging.mlflow": True, "logging.mlflow-uri": "sqlite:////tmp/x.db"}])
+    assert (
+        opened == ["sqlite:////tmp/x.db"] and "warning: could not open the MLflow store sqlite:////tmp/x.db: OSError: disk" in capsys.readouterr().err
+    )

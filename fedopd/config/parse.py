@@ -224,12 +224,26 @@ def check_local_prompts(cfg: RunConfig, num_partitions: int, *, fetch: bool = Fa
 
     from fedopd.core.strategies import capabilities
     from fedopd.data import check_prompt_set
-    from fedopd.data.prompt_files import looks_local
 
-    local = bool(cfg.data.path) and looks_local(cfg.data.path) and Path(cfg.data.path).expanduser().exists()
-    if (cfg.data.name == "prompts" and not local) or (cfg.data.name == "math" and not local and not fetch):
-        where = f"data.path = {cfg.data.path!r}" if cfg.data.path else f"data.name = {cfg.data.name!r} (from the hub)"
-        return f"{where} is not a local path here, so its prompts were not checked; each client checks them when it loads them"
+    def here(path: str) -> bool:  # what the loader reads from this file system (fedopd.data.prompt_files)
+        return bool(path) and Path(path).expanduser().exists()
+
+    data = cfg.data
+    if data.name == "prompts" and not here(data.path):
+        return f"data.path = {data.path!r} is not a path on this host, so its prompts were not read here; each client checks them when it loads them"
+    if not fetch and data.name == "math" and not here(data.path):
+        if data.partitioner == "groups":
+            from fedopd.data.hendrycks_math import check_math_groups
+
+            try:
+                check_math_groups(num_partitions)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        return (
+            "data.name = 'math' comes from the hub: its problems were not downloaded for this offline check (the ServerApp reads them before round 1)"
+        )
+    if not fetch and data.eval_path and not here(data.eval_path):
+        return f"data.eval-path = {data.eval_path!r} is not a path on this host: the prompts were not read offline (the ServerApp and each client read them)"
     need = None
     if capabilities(cfg.strategy.name).scoring_cache == "untrained":
         need = (
