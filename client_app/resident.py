@@ -385,6 +385,8 @@ def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
     which moves when the clock is stepped) is left alone."""
     import psutil
 
+    from fedopd.core.procinfo import terminate_then_kill
+
     alive, seen = [], set()
     for pid, started in pids:
         if int(pid) in seen or int(pid) == os.getpid():
@@ -396,17 +398,7 @@ def _end_processes(pids: list[list[float]], wait_s: float = 10.0) -> None:
                 alive.append(proc)
         except psutil.Error:
             pass
-    for proc in alive:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(alive, timeout=wait_s)
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
+    left = terminate_then_kill(alive, wait_s)
     # A SIGKILL is sent, not yet acted on. Polled rather than waited for (psutil's wait reaps a
     # child of this process, whose exit status belongs to whoever started it).
     end = time.monotonic() + 5.0

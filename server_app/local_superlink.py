@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from fedopd.core.procinfo import terminate_then_kill
+
 EXECUTABLE = "flower-superlink"
 
 
@@ -78,18 +80,7 @@ def stop(superlinks: Sequence[psutil.Process], wait: float = 10.0) -> list[int]:
             procs += [*link.children(recursive=True), link]
         except psutil.NoSuchProcess:
             continue
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=wait)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=wait)
+    psutil.wait_procs(terminate_then_kill(procs, wait), timeout=wait)
     return [p.pid for p in procs]
 
 

@@ -2,6 +2,7 @@
 question rendered in the training format."""
 
 import json
+import shutil
 
 import pytest
 
@@ -89,6 +90,13 @@ def test_the_answer_is_plain_pefts_greedy_answer_to_the_training_prompt(tmp_path
     ask = Answerer.load(tmp_path / "adapter", dtype="float32")
     assert list(ask.stop.tokens) == ["<|im_end|>"]
     assert ask(question, max_new_tokens=40) == expected
+    run = tmp_path / "run"  # a run folder: its resolved stop set is used, its teacher's files are never read
+    shutil.copytree(tmp_path / "adapter", run / "round-001")
+    config = {"model.student": "builtin:sandbox-student", "model.teacher": "nobody/no-such-teacher", "rollout.stop-tokens": "auto",
+              "eval.max-new-tokens": 40, "resolved": {"rollout.stop-tokens": {"ids": [eos], "tokens": ["<|im_end|>"]}}}  # fmt: skip
+    (run / "config.json").write_text(json.dumps(config))
+    from_run = Answerer.load(run, dtype="float32")
+    assert from_run.stop.ids == (eos,) and from_run(question) == expected
     base_answer = Answerer.load(tmp_path / "adapter", dtype="float32")
     base_answer.engine.set_adapter({n: 0 * a for n, a in base_answer.student.get_lora_arrays().items()})
     assert base_answer(question, max_new_tokens=40) != expected  # the adapter is in the answer

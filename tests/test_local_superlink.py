@@ -46,7 +46,8 @@ def _imitation(prefix: Path, home: Path, with_child: bool) -> subprocess.Popen:
     script = prefix / "bin" / "flower-superlink"
     script.parent.mkdir(parents=True, exist_ok=True)
     child = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " if with_child else ""
-    script.write_text(f"{child}import time; time.sleep(120)\n")
+    term = f"import signal, sys; signal.signal(signal.SIGTERM, lambda *a: (open({str(prefix / 'sigterm')!r}, 'w').close(), sys.exit(0))); "
+    script.write_text(f"{child}{term}import time; time.sleep(120)\n")
     return subprocess.Popen([sys.executable, str(script), "--log-file", str(ls.managed_log_file(home))])
 
 
@@ -63,6 +64,7 @@ def test_stop_ends_this_projects_superlink_and_what_it_started_and_nothing_else(
         ended = ls.stop(found, wait=5)
         assert sorted(ended) == sorted([mine.pid, child.pid])
         assert mine.wait(timeout=10) is not None and not child.is_running()
+        assert (tmp_path / "venv" / "sigterm").exists()  # asked to stop (SIGTERM) before any SIGKILL
         assert other_home.poll() is None  # another Flower home's SuperLink runs on
     finally:
         for p in (mine, other_home):

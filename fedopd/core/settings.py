@@ -455,7 +455,7 @@ class LoggingSettings:
     wandb: bool = setting(
         False,
         _bool(),
-        "also send the round scalars and each client's series (step = round), the run config, the run's final status and `logging.artifacts` to Weights & Biases, run name = the run folder's name; where to: the `logging.wandb-*` keys, else the `WANDB_*` variables, else offline files in the run folder; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
+        "also send the round scalars and each client's series (step = round), the run config, the run's final status and `logging.artifacts` to Weights & Biases, run name = `logging.run-name`, else the run folder's name; where to: the `logging.wandb-*` keys, else the `WANDB_*` variables, else offline files in the run folder; a tracker that fails is warned about and dropped, the run goes on (needs the `wandb` extra; docs/tracking.md)",
     )
     run_name: str = setting(
         "",
@@ -472,7 +472,7 @@ class LoggingSettings:
     mlflow: bool = setting(
         False,
         _bool(),
-        "also send the round scalars and each client's series (step = round), the run config (params), the run's final status and `logging.artifacts` to MLflow, run name = the run folder's name; where to: the `logging.mlflow-*` keys, else the `MLFLOW_*` variables, else `sqlite:///RUN_FOLDER/mlflow.db`; a tracker that fails is warned about and dropped, the run goes on (needs the `mlflow` extra; docs/tracking.md)",
+        "also send the round scalars and each client's series (step = round), the run config (params), the run's final status and `logging.artifacts` to MLflow, run name = `logging.run-name`, else the run folder's name; where to: the `logging.mlflow-*` keys, else the `MLFLOW_*` variables, else `sqlite:///RUN_FOLDER/mlflow.db`; a tracker that fails is warned about and dropped, the run goes on (needs the `mlflow` extra; docs/tracking.md)",
     )
     mlflow_uri: str = setting(
         "",
