@@ -66,6 +66,37 @@ METHODS: dict[str, dict[str, Any]] = {
     "fedtops-heldout-cache": {"strategy.name": "fedtops-heldout-cache"},
 }
 DEFAULT_METHODS = ("local", "centralized", "fedavg", "fixed3", "fixed10", "fedtops")
+
+# The server optimizers of the study "Does the teacher need to choose the step?" (docs/sandbox.md):
+# each rule's declared sweep, three settings of the rule as functions of the client learning rate
+# (run with --tune on the tuning seeds); the rule as a method of the grid runs the setting that
+# its tuning chose at that learning rate (--tuned FILE, written by --tune).
+SWEEPS: dict[str, dict[str, Any]] = {
+    "fedavgm": {
+        f"fedavgm-s{eta:g}": (lambda lr, eta=eta: {"strategy.name": "fedavgm", "strategy.server-lr": eta, "strategy.server-momentum": 0.9})
+        for eta in (0.1, 0.3, 1.0)
+    },
+    **{
+        rule: {
+            f"{rule}-x{c:g}": (
+                lambda lr, c=c, rule=rule: {
+                    "strategy.name": rule,
+                    "strategy.server-lr": c * lr,
+                    "strategy.tau": lr / 100,
+                    **({"strategy.beta1": 0.9, "strategy.beta2": 0.99} if rule != "fedadagrad" else {}),
+                }
+            )
+            for c in (2, 6, 20)
+        }
+        for rule in ("fedadam", "fedyogi", "fedadagrad")
+    },
+    "fedexp": {
+        f"fedexp-e{eps:g}": (lambda lr, eps=eps: {"strategy.name": "fedexp", "strategy.fedexp-epsilon": eps, "strategy.fedexp-average": True})
+        for eps in (1e-4, 1e-3, 1e-2)
+    },
+}
+SWEEP_SETTINGS = {name: settings for sweep in SWEEPS.values() for name, settings in sweep.items()}
+TUNED = tuple(SWEEPS)  # methods whose setting comes from their tuning
 TITLES = {
     "local": "Local mean",
     "centralized": "Centralized",
@@ -76,6 +107,11 @@ TITLES = {
     "fedtops-cache-xl": "FedTOPS, cache 8 × 64",
     "fedtops-se": "FedTOPS, SE walk",
     "fedtops-heldout-cache": "FedTOPS, held-out cache",
+    "fedexp": "FedExP",
+    "fedavgm": "FedAvgM",
+    "fedadam": "FedAdam",
+    "fedyogi": "FedYogi",
+    "fedadagrad": "FedAdagrad",
 }
 # Chosen once, before any method was compared: the sandbox preset's rate (3e-3, the largest at
 # which FedAvg's first rounds stayed stable when the preset was tuned) and a tenth of it.
@@ -100,12 +136,65 @@ def method_trust_budget(method: str) -> float | None:
     return float(method[len(TRUST_BUDGET_PREFIX) :])
 
 
-def method_settings(method: str) -> dict[str, Any]:
-    """The run-config keys that make a grid method (:data:`METHODS`, or FedTOPS at a δ)."""
+def method_settings(method: str, lr: float | None = None, tuned: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+    """The run-config keys that make a grid method at client learning rate ``lr``: :data:`METHODS`,
+    FedTOPS at a δ, one setting of a sweep (:data:`SWEEPS`), or a server optimizer at the setting
+    its tuning chose at ``lr`` (``tuned``: :func:`choose_settings`'s file)."""
     delta = method_trust_budget(method)
     if delta is not None:
         return {"strategy.name": "fedtops", "strategy.trust-budget": delta}
+    if method in SWEEP_SETTINGS:
+        return SWEEP_SETTINGS[method](lr)
+    if method in TUNED:
+        chosen = (tuned or {}).get(method, {}).get(f"{lr:g}")
+        if chosen is None:
+            raise ValueError(
+                f"--methods {method}: no tuned setting at lr {lr:g}; run --tune {method} on the tuning seeds and pass its tuned.json as --tuned"
+            )
+        if chosen not in SWEEPS[method]:
+            raise ValueError(f"--tuned: {chosen!r} is not a setting of {method}'s sweep ({', '.join(SWEEPS[method])})")
+        return SWEEP_SETTINGS[chosen](lr)
     return METHODS[method]
+
+
+def choose_settings(rows: list[dict[str, Any]], k: int) -> tuple[dict[str, dict[str, str]], str]:
+    """The declared selection rule of the tuning (docs/sandbox.md): per rule and learning rate, the
+    sweep setting with the highest mean final greedy accuracy over the tuning seeds; a tie within
+    0.1 pp goes to the higher Avg@k, then to the setting listed first. Returns {rule: {lr: setting}}
+    and the tuning table (mean greedy / Avg@k per setting, the chosen ones in bold)."""
+    chosen: dict[str, dict[str, str]] = {}
+    lines = [
+        f"**Tuning: final held-out greedy / Avg@{k} (%), mean over the tuning seeds; chosen in bold**",
+        "",
+        "| setting | " + " | ".join(f"lr {lr:g}" for lr in sorted({r["lr"] for r in rows})) + " |",
+        "|---|" + "---:|" * len({r["lr"] for r in rows}),
+    ]
+    lrs = sorted({r["lr"] for r in rows})
+    cells: dict[tuple[str, float], tuple[float, float]] = {}
+    for rule, sweep in SWEEPS.items():
+        for lr in lrs:
+            scored = []
+            for order, name in enumerate(sweep):
+                sel = [r for r in rows if r["method"] == name and r["lr"] == lr]
+                if sel:
+                    cells[name, lr] = (float(np.mean([r["accuracy"] for r in sel])), float(np.mean([r[f"avg@{k}"] for r in sel])))
+                    scored.append((name, order, *cells[name, lr]))
+            if scored:
+                top = max(g for _, _, g, _ in scored)
+                tied = [x for x in scored if x[2] >= top - 0.1]
+                best = max(tied, key=lambda x: (x[3], -x[1]))
+                chosen.setdefault(rule, {})[f"{lr:g}"] = best[0]
+    for name in (n for sweep in SWEEPS.values() for n in sweep):
+        if any((name, lr) in cells for lr in lrs):
+            row = []
+            for lr in lrs:
+                if (name, lr) not in cells:
+                    row.append("–")
+                    continue
+                text = f"{cells[name, lr][0]:.1f} / {cells[name, lr][1]:.1f}"
+                row.append(f"**{text}**" if chosen.get(name.rsplit("-", 1)[0], {}).get(f"{lr:g}") == name else text)
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return chosen, "\n".join(lines) + "\n"
 
 
 def delta_text(delta: float) -> str:
@@ -168,13 +257,20 @@ def grid_setting(run_config_args: list[str]) -> dict[str, Any]:
 
 
 def run_config(
-    method: str, lr: float, seed: int, rounds: int, eval_every: int, output_dir: Path, setting: dict[str, Any] | None = None
+    method: str,
+    lr: float,
+    seed: int,
+    rounds: int,
+    eval_every: int,
+    output_dir: Path,
+    setting: dict[str, Any] | None = None,
+    tuned: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The sandbox preset with ``setting`` (``--run-config``) and this grid cell's method, learning
     rate, seed and length."""
     return {
         **(setting or {}),
-        **method_settings(method),
+        **method_settings(method, lr, tuned),
         "train.lr": lr,
         "seed": seed,
         "num-server-rounds": rounds,
@@ -676,11 +772,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--bootstrap", type=int, default=5000, help="bootstrap draws of the paired intervals")
     add_run_config_option(p, help="the setting of every cell, exactly as for `flwr run --run-config` (repeatable)")
+    p.add_argument(
+        "--tune",
+        default="",
+        metavar="fedadam,fedexp",
+        help=f"run the declared sweep of these server optimizers (from: {', '.join(SWEEPS)}) and write OUT/tuned.json with the chosen setting per learning rate",
+    )
+    p.add_argument("--tuned", type=Path, default=None, help="a tuned.json written by --tune: the settings of the server optimizers in --methods")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    tune = [m.strip() for m in args.tune.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS and m not in TUNED] + [m for m in tune if m not in SWEEPS]
     if unknown:
-        p.error(f"--methods: unknown {', '.join(repr(m) for m in unknown)}; allowed: {', '.join(METHODS)}")
+        p.error(
+            f"--methods / --tune: unknown {', '.join(repr(m) for m in unknown)}; allowed: {', '.join([*METHODS, *TUNED])} (--tune: {', '.join(SWEEPS)})"
+        )
+    if tune:  # the sweep's settings are the methods
+        methods = [m for m in methods if m not in TUNED] if args.methods != ",".join(DEFAULT_METHODS) else []
+        methods += [name for rule in tune for name in SWEEPS[rule]]
+    tuned = None
+    if args.tuned is not None:
+        try:
+            tuned = json.loads(args.tuned.read_text())
+        except (OSError, ValueError) as err:
+            p.error(f"--tuned {args.tuned}: {err}")
     if args.trust_budgets:
         try:
             methods += [trust_budget_method(d) for d in parse_trust_budgets(args.trust_budgets)]
@@ -694,8 +809,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # the grid is methods × learning rates × seeds of eval.variants; every config is valid before the first run
         base = {**grid_setting(args.run_config), "num-server-rounds": args.rounds, "eval.every": args.eval_every, "preset": "sandbox-grid"}
-        methods_as_variants = [variants.Variant(m, method_settings(m)) for m in methods]
-        planned = variants.plan(base, methods_as_variants, [("train.lr", args.lrs)], args.seeds, runs_root)
+        planned = [  # per learning rate: a tuned rule's setting depends on it
+            cell
+            for lr in args.lrs
+            for cell in variants.plan(
+                base, [variants.Variant(m, method_settings(m, lr, tuned)) for m in methods], [("train.lr", (lr,))], args.seeds, runs_root
+            )
+        ]
         configs = {(c.variant, c.values[0][1], c.seed): c.config for c in planned}
         for config in configs.values():
             parse_run_config(dict(config))
@@ -732,6 +852,10 @@ def main(argv: list[str] | None = None) -> int:
         trust_budget_table(rows, k),
         change_scale_table(rows),
     ]
+    if tune:
+        chosen, tuning = choose_settings(rows, k)
+        (args.out / "tuned.json").write_text(json.dumps(chosen, indent=2) + "\n")
+        parts.insert(0, tuning)
     text = "\n".join(part for part in parts if part)
     (args.out / "table.md").write_text(text)
     figures = plot(rows, args.out)

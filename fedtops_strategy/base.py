@@ -288,9 +288,15 @@ class ServerStrategy:
         """θ_{t+1} = θ_t + a·Δ_t at the strategy's :attr:`default_multiplier` (FedAvg: 1; fixed: its a)."""
         return apply_step(train, self.default_multiplier, factors=self.averages_factors)
 
+    def evaluated_arrays(self, global_arrays: ArrayRecord) -> ArrayRecord | None:
+        """What is evaluated in place of the global adapter θ_{t+1} (saved as ``round-NNN/evaluated``),
+        or None: θ_{t+1} itself (FedExP's average of the last two iterates replaces it)."""
+        return None
+
     def evaluation_arrays(self, node_id: int, global_arrays: ArrayRecord) -> ArrayRecord:
         """The adapter that node ``node_id`` evaluates: the global one (Local: its own)."""
-        return global_arrays
+        evaluated = self.evaluated_arrays(global_arrays)
+        return global_arrays if evaluated is None else evaluated
 
     def round_metrics(self, result: RoundResult) -> MetricRecord:
         """What Flower's ``Result`` keeps of a round (:meth:`start`): how many updates were kept,

@@ -24,10 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fedopd.core.settings import PrivacySettings, StrategySettings, TimeoutSettings
+from fedopd.core.settings import UNSET_SERVER_LR, PrivacySettings, StrategySettings, TimeoutSettings
 from fedopd.core.strategies import CAPABILITIES, Capabilities, capabilities
+from fedtops_strategy import fedadagrad, fedadam, fedavgm, fedyogi
 from fedtops_strategy.aggregators import make_aggregator
 from fedtops_strategy.base import ServerStrategy
+from fedtops_strategy.fedexp import FedExP
 from fedtops_strategy.fedtops import FedTOPS
 from fedtops_strategy.fedtops_se import FedTOPSHeldoutCache, FedTOPSStandardError
 from fedtops_strategy.fixed import FixedMultiplier, LoRAFedAvg
@@ -50,6 +52,11 @@ def _fedtops(cls: type[FedTOPS]) -> StrategyBuilder:
     )
 
 
+def _server_lr(cfg: StrategySettings, rule) -> float:
+    """``strategy.server-lr``, or the rule's module's default (Flower's) when it is not set."""
+    return rule.DEFAULT_SERVER_LR if cfg.server_lr == UNSET_SERVER_LR else cfg.server_lr
+
+
 STRATEGIES: dict[str, StrategyBuilder] = {
     "fedavg": lambda cfg, common: LoRAFedAvg(**common),
     "fixed": lambda cfg, common: FixedMultiplier(cfg.multiplier, **common),
@@ -57,6 +64,12 @@ STRATEGIES: dict[str, StrategyBuilder] = {
     # The lr study's variants (docs/sandbox.md, "Why FedTOPS trails FedAvg at the large learning rate")
     "fedtops-se": _fedtops(FedTOPSStandardError),
     "fedtops-heldout-cache": _fedtops(FedTOPSHeldoutCache),
+    # Server optimizers on the average (issue "Does the teacher need to choose the step?")
+    "fedexp": lambda cfg, common: FedExP(cfg.fedexp_epsilon, cfg.fedexp_average, **common),
+    "fedavgm": lambda cfg, common: fedavgm.LoRAFedAvgM(_server_lr(cfg, fedavgm), cfg.server_momentum, **common),
+    "fedadam": lambda cfg, common: fedadam.LoRAFedAdam(_server_lr(cfg, fedadam), cfg.beta1, cfg.beta2, cfg.tau, **common),
+    "fedyogi": lambda cfg, common: fedyogi.LoRAFedYogi(_server_lr(cfg, fedyogi), cfg.beta1, cfg.beta2, cfg.tau, **common),
+    "fedadagrad": lambda cfg, common: fedadagrad.LoRAFedAdagrad(_server_lr(cfg, fedadagrad), cfg.tau, **common),
     "local": lambda cfg, common: LocalTraining(**common),
     "centralized": lambda cfg, common: Centralized(**common),
 }

@@ -18,6 +18,7 @@ the strategy: it holds its settings and the state its algorithm carries across r
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +148,8 @@ class RoundResult:
         if self.scores is not None:
             record["score_seconds"] = self.scores.seconds
         record["multiplier"] = self.step.multiplier
+        if self.step.multiplier is not None and train.delta is not None:  # where the step went relative to Δ_t
+            record.update(step_geometry(sent.theta, self.step.theta, train.delta))
         return record
 
 
@@ -170,6 +173,26 @@ def apply_step(train: TrainAggregate, multiplier: float, details: dict[str, Any]
     if factors:
         details.update(aggregation_errors(train, multiplier))
     return Step(new, multiplier, details)
+
+
+def step_geometry(theta: Named, new: Named, delta: Named | None) -> dict[str, float | None]:
+    """Where the step went relative to Δ_t, in float64 over every LoRA factor: ``effective-multiplier``
+    ‖θ_{t+1} − θ_t‖ / ‖Δ_t‖ and ``step-cosine`` ⟨θ_{t+1} − θ_t, Δ_t⟩ / (‖θ_{t+1} − θ_t‖‖Δ_t‖)
+    (None where Δ_t or the step is 0, or there is no Δ_t). θ_{t+1} = θ_t + aΔ_t gives a and 1 (a > 0)."""
+    if delta is None:
+        return {"effective-multiplier": None, "step-cosine": None}
+    dot = moved = size = 0.0
+    for key, d in delta.items():
+        s = np.asarray(new[key], dtype=np.float64) - np.asarray(theta[key], dtype=np.float64)
+        d = np.asarray(d, dtype=np.float64)
+        dot += float(np.vdot(s, d))
+        moved += float(np.vdot(s, s))
+        size += float(np.vdot(d, d))
+    if size == 0.0:
+        return {"effective-multiplier": None, "step-cosine": None}
+    ratio = math.sqrt(moved / size)
+    cosine = dot / math.sqrt(moved * size) if moved > 0.0 else None
+    return {"effective-multiplier": ratio, "step-cosine": None if cosine is None else max(-1.0, min(1.0, cosine))}
 
 
 def aggregation_errors(train: TrainAggregate, multiplier: float) -> dict[str, float | None]:

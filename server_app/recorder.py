@@ -69,6 +69,9 @@ class RoundRecorder:
                 self.run.save_adapter(server_round, named, client=pid)
         else:
             self.run.save_adapter(server_round, from_record(global_arrays))
+            evaluated = self.strategy.evaluated_arrays(global_arrays)
+            if evaluated is not None:  # what the evaluation reads instead (FedExP's last-two average)
+                self.run.save_evaluated(server_round, from_record(evaluated))
 
     def evaluate(self, server_round: int, global_arrays: ArrayRecord):
         """The held-out evaluation of ``server_round`` (:func:`server_app.evaluation.evaluate_round`)."""

@@ -26,6 +26,8 @@ from fedtops_strategy.record import publishable
 from fedtops_strategy.text import escape
 from server_app.error_lines import KEPT_CHARS, root_cause
 
+EVALUATED = "evaluated"  # round-NNN/evaluated/: the adapter a round evaluated in place of its global one
+
 
 def _jsonable(value: Any) -> Any:
     """JSON without NaN/Infinity literals: non-finite floats become strings."""
@@ -137,6 +139,11 @@ class RunFolder:
 
     def save_adapter(self, server_round: int, arrays: Mapping[str, np.ndarray], client: int | None = None) -> Path:
         return save_adapter(self.adapter_dir(server_round, client), arrays, self.lora_config)
+
+    def save_evaluated(self, server_round: int, arrays: Mapping[str, np.ndarray]) -> Path:
+        """``round-NNN/evaluated/``: what the round's evaluation read in place of θ_{t+1} (FedExP's
+        average of the last two iterates)."""
+        return save_adapter(self.adapter_dir(server_round) / EVALUATED, arrays, self.lora_config)
 
     def write_status(self, status: str, rounds_done: int | None = None, error: str | None = None) -> None:
         """``status.json``: ``running`` (with the last complete round), ``completed``, ``failed``

@@ -18,6 +18,7 @@ from typing import Any
 
 from fedopd.config.privacy_rules import check_privacy
 from fedopd.config.robustness_rules import check_robustness
+from fedopd.config.server_rules import check_server_rule
 from fedopd.core.errors import ConfigError
 from fedopd.core.settings import _KEYS, RUN_CONFIG_KEYS, UNSET_MULTIPLIER, RunConfig
 from fedopd.core.strategies import CAPABILITIES
@@ -174,6 +175,7 @@ def _check_cross(cfg: RunConfig) -> None:
                 raise ConfigError(f"run config '{key}' = {value!r} is invalid with 'rollout.backend' = {cfg.rollout.backend!r}: {err}") from None
     check_robustness(cfg)  # the robustness layer's rules (robustness_rules.py)
     check_privacy(cfg)  # the privacy layer's (privacy_rules.py)
+    check_server_rule(cfg)  # the server optimizers' (server_rules.py)
     if cfg.cache.rollouts > cfg.rollout.per_round:
         raise ConfigError(
             f"run config 'cache.rollouts' = {cfg.cache.rollouts} exceeds 'rollout.per-round' = "

@@ -29,6 +29,7 @@ SCORE_AGGREGATES = ("mean", "median", "trimmed-mean")  # fedtops_strategy/select
 PRIVACY_CLIPPING = ("off", "fixed", "adaptive")  # fedtops_strategy/privacy.py: Flower's DP wrappers
 PRIVACY_SIDES = ("server", "client")
 UNSET_MULTIPLIER = -1.0  # strategy.multiplier's default: 'fixed' must be given one
+UNSET_SERVER_LR = -1.0  # strategy.server-lr's default: each server optimizer's own (Flower's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +285,31 @@ class StrategySettings:
             "0 (off), or a finite number >= 1 (a multiple of the round's median num-examples)",
         ),
         "0 = off; c >= 1: each client's `num-examples` weight (in the average and in Ĵ) is at most c × the round's median",
+    )
+    # The server optimizers (their rules: fedopd.config.server_rules); each key acts only on the
+    # strategies whose Capabilities.server_keys name it.
+    server_lr: float = setting(
+        UNSET_SERVER_LR,
+        (float, lambda v: math.isfinite(v) and (v > 0 or v == UNSET_SERVER_LR), "a finite number > 0, or -1 = the rule's default"),
+        "η, the server learning rate of `fedavgm`, `fedadam`, `fedyogi`, `fedadagrad`; -1 = Flower's default for the rule (FedAvgM 1, FedAdam 0.1, FedYogi 0.01, FedAdagrad 0.1)",
+    )
+    server_momentum: float = setting(
+        0.9,
+        (float, lambda v: 0.0 <= v < 1.0, "a number >= 0 and < 1"),
+        "β, `fedavgm`'s server momentum (Hsu et al., 2019; Flower's FedAvgM defaults to 0, which is FedAvg)",
+    )
+    beta1: float = setting(
+        0.9, (float, lambda v: 0.0 <= v < 1.0, "a number >= 0 and < 1"), "β₁ of `fedadam` and `fedyogi` (the first moment; FedAdagrad has none)"
+    )
+    beta2: float = setting(0.99, (float, lambda v: 0.0 <= v < 1.0, "a number >= 0 and < 1"), "β₂ of `fedadam` and `fedyogi` (the second moment)")
+    tau: float = setting(1e-3, _float(0.0, strict=True), "τ of `fedadam`, `fedyogi`, `fedadagrad`: the adaptivity, added to √v")
+    fedexp_epsilon: float = setting(
+        1e-3, _float(0.0, strict=True), "ε of `fedexp`: η_g = max(1, Σ w_i‖Δ_i‖² / (2(‖Δ̄‖² + ε))), w_i the normalized weights"
+    )
+    fedexp_average: bool = setting(
+        False,
+        _bool(),
+        "`fedexp`: evaluate (and save as `round-NNN/evaluated`) the average of the last two iterates, as the FedExP paper reports; training continues from the last iterate",
     )
     max_vetoes: int = setting(
         0, _int(0), "FedTOPS: a candidate stays feasible while at most this many clients' K̂ exceed δ; 0 = every client must agree (the paper's rule)"

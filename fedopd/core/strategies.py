@@ -31,6 +31,12 @@ class Capabilities:
     per_client_adapters: each client keeps its own adapter and there is no global one (Local);
     scoring_cache: where its clients take the scoring cache from (``round``; ``untrained``: prompts
         outside the round's batch, which the ServerApp checks the data for).
+    server_keys: the ``strategy.*`` keys of a server optimizer that act on it (any other strategy
+        refuses them set);
+    server_state: it carries optimizer state across rounds (momentum, moment estimates) that lives
+        only in the ServerApp's memory: ``resume-from`` is refused;
+    update_norms: its step reads every client's update, not only their average (FedExP's
+        Σ w_i‖Δ_i‖²): a robust aggregator would not bound what one client does to it.
     """
 
     averages: bool = True
@@ -38,6 +44,9 @@ class Capabilities:
     private: bool = True
     per_client_adapters: bool = False
     scoring_cache: str = "round"
+    server_keys: tuple[str, ...] = ()
+    server_state: bool = False
+    update_norms: bool = False
 
 
 # The built-in strategies, in the order the CLI and the docs list them.
@@ -48,6 +57,13 @@ CAPABILITIES: dict[str, Capabilities] = {
     # the standard errors of Ĵ_i travel unprotected: no privacy for this variant
     "fedtops-se": Capabilities(score_phase=True, private=False),
     "fedtops-heldout-cache": Capabilities(score_phase=True, scoring_cache="untrained"),
+    # Server optimizers on the average (docs/strategies.md): post-processing of it, so they compose
+    # with the private mean; FedExP reads each update's norm, which privacy does not release.
+    "fedexp": Capabilities(private=False, update_norms=True, server_keys=("strategy.fedexp-epsilon", "strategy.fedexp-average")),
+    "fedavgm": Capabilities(server_state=True, server_keys=("strategy.server-lr", "strategy.server-momentum")),
+    "fedadam": Capabilities(server_state=True, server_keys=("strategy.server-lr", "strategy.beta1", "strategy.beta2", "strategy.tau")),
+    "fedyogi": Capabilities(server_state=True, server_keys=("strategy.server-lr", "strategy.beta1", "strategy.beta2", "strategy.tau")),
+    "fedadagrad": Capabilities(server_state=True, server_keys=("strategy.server-lr", "strategy.tau")),
     "local": Capabilities(averages=False, private=False, per_client_adapters=True),
     "centralized": Capabilities(averages=False, private=False),
 }

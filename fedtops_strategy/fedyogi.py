@@ -1,0 +1,25 @@
+"""FedYogi (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2), by Flower's
+``FedYogi``: per coordinate of the LoRA factors,
+
+    m_t = β₁ m_{t−1} + (1 − β₁) Δ_t,   v_t = v_{t−1} − (1 − β₂) Δ_t² sign(v_{t−1} − Δ_t²),
+    θ_{t+1} = θ_t + η m_t / (√v_t + τ),
+
+m_0 = v_0 = 0 (Algorithm 2 starts v at τ² or above; Flower, like the authors' released code, at 0).
+``strategy.server-lr`` η (default Flower's 0.01), ``beta1``, ``beta2``, ``tau``.
+"""
+
+from __future__ import annotations
+
+from flwr.serverapp.strategy import FedYogi
+
+from fedtops_strategy.server_step import FlowerOptimizerStep
+
+DEFAULT_SERVER_LR = 0.01  # Flower's FedYogi
+
+
+class LoRAFedYogi(FlowerOptimizerStep):
+    strategy_name = "fedyogi"
+    STATE = ("m_t", "v_t")
+
+    def __init__(self, server_lr: float, beta1: float, beta2: float, tau: float, **kwargs) -> None:
+        super().__init__(lambda: FedYogi(fraction_evaluate=0.0, eta=server_lr, beta_1=beta1, beta_2=beta2, tau=tau), **kwargs)

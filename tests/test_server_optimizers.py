@@ -1,0 +1,241 @@
+"""The server optimizers (FedAvgM, FedAdam, FedYogi, FedAdagrad, FedExP) driven by hand-made
+replies through the strategies' own rounds: each update rule against its published formula,
+written out here, and against Flower's own strategy on the same replies; FedExP's step size by
+hand; the step's geometry; what each rule composes with."""
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from test_strategies import KEYS, THETA, FakeGrid, _common, _record, _run, message
+
+from fedopd.config import ConfigError, StrategySettings, parse_run_config
+from fedtops_strategy import make_strategy
+from fedtops_strategy.fedexp import FedExP, fedexp_step_size
+from fedtops_strategy.round import step_geometry
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+# Two clients whose replies are the same absolute adapters every round, weights 1 and 3: round t's
+# average is MEAN, and Δ_t = MEAN − θ_t.
+UPDATES = {1: [np.full((2, 3), 1.0), np.full((3,), 0.0)], 2: [np.array([[2.0, 0.0, 1.0], [0.5, 3.0, -1.0]]), np.array([1.0, -2.0, 0.5])]}
+WEIGHTS = {1: 1, 2: 3}
+MEAN = [(1 * np.asarray(UPDATES[1][i], np.float64) + 3 * np.asarray(UPDATES[2][i], np.float64)) / 4 for i in range(2)]
+ROUNDS = 3
+# fp32 arithmetic over a few rounds of a handful of operations: a few ulps of values of order 1-10
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def run_rule(name: str, rounds: int = ROUNDS, **settings):
+    strategy = make_strategy(StrategySettings(name=name, **settings), num_clients=2)
+    return _run(strategy, FakeGrid(UPDATES, WEIGHTS), rounds=rounds)
+
+
+def reference(rule, rounds: int = ROUNDS):
+    """θ after ``rounds`` rounds of ``rule(theta, delta, t, state) -> theta`` in float64 from THETA, MEAN."""
+    theta = [np.asarray(t, np.float64) for t in THETA]
+    state: dict = {}
+    for t in range(1, rounds + 1):
+        delta = [m - x for m, x in zip(MEAN, theta)]
+        theta = rule(theta, delta, t, state)
+    return theta
+
+
+def test_fedavgm_is_hsu_et_als_server_momentum():
+    eta, beta = 0.5, 0.9
+
+    def momentum(theta, delta, t, state):  # v_t = β v_{t−1} + g_t (v_1 = g_1), g = −Δ; θ ← θ − η v
+        g = [-d for d in delta]
+        state["v"] = g if t == 1 else [beta * v + x for v, x in zip(state["v"], g)]
+        return [x - eta * v for x, v in zip(theta, state["v"])]
+
+    got = run_rule("fedavgm", server_lr=eta, server_momentum=beta)
+    for g, want in zip(got, reference(momentum)):
+        np.testing.assert_allclose(g, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("rule", ["fedadam", "fedyogi", "fedadagrad"])
+def test_the_adaptive_rules_follow_reddi_et_als_algorithm_2_as_flower_states_it(rule):
+    eta, b1, b2, tau = 0.05, 0.9, 0.99, 1e-3
+
+    def adaptive(theta, delta, t, state):
+        beta1 = 0.0 if rule == "fedadagrad" else b1  # Flower's FedAdagrad has no first moment
+        m = state.get("m", [np.zeros_like(d) for d in delta])
+        v = state.get("v", [np.zeros_like(d) for d in delta])
+        m = [beta1 * a + (1 - beta1) * d for a, d in zip(m, delta)]
+        if rule == "fedadam":
+            v = [b2 * a + (1 - b2) * d**2 for a, d in zip(v, delta)]
+            step = eta * math.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1))  # Flower's bias correction
+        elif rule == "fedyogi":
+            v = [a - (1 - b2) * d**2 * np.sign(a - d**2) for a, d in zip(v, delta)]
+            step = eta
+        else:
+            v = [a + d**2 for a, d in zip(v, delta)]
+            step = eta
+        state.update(m=m, v=v)
+        return [x + step * a / (np.sqrt(b) + tau) for x, a, b in zip(theta, m, v)]
+
+    settings = {"server_lr": eta, "tau": tau} | ({} if rule == "fedadagrad" else {"beta1": b1, "beta2": b2})
+    got = run_rule(rule, **settings)
+    for g, want in zip(got, reference(adaptive)):
+        np.testing.assert_allclose(g, want, rtol=RTOL, atol=ATOL)
+
+
+FLOWER = {
+    "fedavgm": (lambda: FedAvgM(server_learning_rate=0.5, server_momentum=0.9), {"server_lr": 0.5, "server_momentum": 0.9}),
+    "fedadam": (lambda: FedAdam(eta=0.05, beta_1=0.8, beta_2=0.95, tau=1e-2), {"server_lr": 0.05, "beta1": 0.8, "beta2": 0.95, "tau": 1e-2}),
+    "fedyogi": (lambda: FedYogi(eta=0.05, beta_1=0.8, beta_2=0.95, tau=1e-2), {"server_lr": 0.05, "beta1": 0.8, "beta2": 0.95, "tau": 1e-2}),
+    "fedadagrad": (lambda: FedAdagrad(eta=0.05, tau=1e-2), {"server_lr": 0.05, "tau": 1e-2}),
+}
+
+
+@pytest.mark.parametrize("rule", list(FLOWER))
+def test_each_rule_moves_theta_as_flowers_own_strategy_does_on_the_same_replies(rule):
+    """Flower's strategy averages the two weighted replies itself and keeps θ_t from its own
+    configure_train (FedAvgM: its own last output); ours averages through the boundary and hands
+    Flower's rule the average."""
+    build, settings = FLOWER[rule]
+    flower = build()
+    theta = _record(THETA)
+    replies = [
+        message(
+            RecordDict({"arrays": _record(UPDATES[n]), "metrics": MetricRecord({"num-examples": WEIGHTS[n]})}), "train", src=n, message_id=f"r{n}"
+        )
+        for n in (1, 2)
+    ]
+    for t in range(1, ROUNDS + 1):
+        if rule == "fedavgm":
+            flower.current_arrays = flower.current_arrays or theta
+        else:
+            flower.current_arrays = {k: a.numpy() for k, a in theta.items()}
+        theta, _ = flower.aggregate_train(t, replies)
+    ours = run_rule(rule, **settings)
+    for got, want in zip(ours, [theta[k].numpy() for k in KEYS]):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_fedexp_step_size_by_hand():
+    # Δ_1 = 1, Δ_2 = −0.5 (one coordinate), equal weights: Σ w‖Δ_i‖² = 0.625, Δ̄ = 0.25, ‖Δ̄‖² = 0.0625;
+    # with ε = 0.0625: η_g = 0.625 / (2 × 0.125) = 2.5
+    assert fedexp_step_size(0.625, 0.0625, 0.0625) == 2.5
+    # identical updates: Σ w‖Δ_i‖² = ‖Δ̄‖², so the ratio is below 1/2 and η_g = 1
+    assert fedexp_step_size(4.0, 4.0, 1e-3) == 1.0
+
+
+def test_fedexp_extrapolates_along_the_average_by_its_step_size():
+    """Two clients, equal weights, whose updates point apart: Δ_1 = +1, Δ_2 = −0.5 on every
+    coordinate of the first factor, 0 on the second. d = 6 coordinates: Σ w‖Δ_i‖² = 0.5·6 + 0.5·1.5
+    = 3.75, Δ̄ = 0.25 (‖Δ̄‖² = 0.375), ε = 0.375: η_g = 3.75 / (2 × 0.75) = 2.5, θ_1 = θ_0 + 0.625."""
+    updates = {1: [THETA[0] + 1.0, THETA[1]], 2: [THETA[0] - 0.5, THETA[1]]}
+    strategy = FedExP(epsilon=0.375, **_common(2))
+    got = _run(strategy, FakeGrid(updates, {1: 5, 2: 5}))
+    np.testing.assert_allclose(got[0], THETA[0] + 0.625, rtol=1e-6)
+    np.testing.assert_array_equal(got[1], THETA[1])
+    record = got.records[1]
+    assert record["multiplier"] == pytest.approx(2.5, rel=1e-12)
+    assert record["fedexp"]["eta-g"] == pytest.approx(2.5, rel=1e-12)
+    assert record["effective-multiplier"] == pytest.approx(2.5, rel=1e-6)
+
+
+def test_fedexp_weighs_each_updates_norm_by_its_share_of_the_average():
+    """Weights 1 and 3: Σ w‖Δ_i‖² = (1·6·1 + 3·6·0.25)/4 = 2.625; Δ̄ = (1 − 1.5)/4 = −0.125 (‖Δ̄‖² =
+    0.09375); ε = 0.01: η_g = 2.625 / (2 × 0.10375)."""
+    updates = {1: [THETA[0] + 1.0, THETA[1]], 2: [THETA[0] - 0.5, THETA[1]]}
+    got = _run(FedExP(epsilon=0.01, **_common(2)), FakeGrid(updates, {1: 1, 2: 3}))
+    assert got.records[1]["multiplier"] == pytest.approx(2.625 / (2 * 0.10375), rel=1e-9)
+
+
+def test_fedexp_evaluates_the_average_of_its_last_two_iterates_and_trains_from_the_last():
+    updates = {1: [THETA[0] + 1.0, THETA[1]], 2: [THETA[0] - 0.5, THETA[1]]}
+    strategy = FedExP(epsilon=0.375, average_last_two=True, **_common(2))
+    got = _run(strategy, FakeGrid(updates, {1: 5, 2: 5}))
+    evaluated = strategy.evaluation_arrays(1, _record(got))
+    np.testing.assert_allclose(evaluated[KEYS[0]].numpy(), THETA[0] + 0.3125, rtol=1e-6)  # (θ_0 + θ_1)/2
+    np.testing.assert_allclose(got[0], THETA[0] + 0.625, rtol=1e-6)  # the global adapter: θ_1
+    assert FedExP(epsilon=0.375, **_common(2)).evaluated_arrays(_record(got)) is None  # off: θ_{t+1} itself
+
+
+def test_step_geometry_by_hand():
+    theta = {"a": np.zeros(2, np.float32)}
+    delta = {"a": np.array([3.0, 4.0], np.float32)}  # ‖Δ‖ = 5
+    assert step_geometry(theta, {"a": np.array([0.0, 5.0], np.float32)}, delta) == {"effective-multiplier": 1.0, "step-cosine": 0.8}
+    assert step_geometry(theta, {"a": np.array([6.0, 8.0], np.float32)}, delta) == {"effective-multiplier": 2.0, "step-cosine": 1.0}
+    assert step_geometry(theta, {"a": np.array([-3.0, -4.0], np.float32)}, delta)["step-cosine"] == -1.0
+    assert step_geometry(theta, theta, delta) == {"effective-multiplier": 0.0, "step-cosine": None}
+    assert step_geometry(theta, theta, {"a": np.zeros(2, np.float32)}) == {"effective-multiplier": None, "step-cosine": None}
+
+
+@pytest.mark.parametrize(("name", "settings", "a"), [("fedavg", {}, 1.0), ("fixed", {"multiplier": 3.0}, 3.0)])
+def test_a_step_along_the_average_records_its_multiplier_and_cosine_one(name, settings, a):
+    record = run_rule(name, rounds=1, **settings).records[1]
+    assert record["effective-multiplier"] == pytest.approx(a, rel=1e-6)
+    assert record["step-cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_fedadam_records_how_far_its_step_went_and_in_which_direction():
+    got = run_rule("fedadam", rounds=1, server_lr=0.05, tau=1e-3)
+    record = got.records[1]
+    step = [g - t for g, t in zip(got, THETA)]
+    delta = [m - t for m, t in zip(MEAN, THETA)]
+    norm = lambda xs: math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64))) for x in xs))  # noqa: E731
+    assert record["multiplier"] == pytest.approx(norm(step) / norm(delta), rel=1e-5)
+    assert record["effective-multiplier"] == record["multiplier"]
+    cosine = sum(float(np.vdot(s, d)) for s, d in zip(step, delta)) / (norm(step) * norm(delta))
+    assert record["step-cosine"] == pytest.approx(cosine, rel=1e-5)
+    assert record["step-cosine"] < 0.999  # a per-coordinate step is not along Δ_t here
+
+
+def test_a_step_that_is_not_finite_holds_and_leaves_the_optimizers_state_as_it_was():
+    strategy = make_strategy(StrategySettings(name="fedadam", server_lr=1e39), num_clients=2)  # finite in float64, not in fp32
+    got = _run(strategy, FakeGrid(UPDATES, WEIGHTS))
+    np.testing.assert_array_equal(got[0], THETA[0])
+    assert got.records[1]["multiplier"] == 0.0 and "not finite" in got.records[1]["hold-reason"]
+    assert strategy.optimizer.m_t is None and strategy.optimizer.v_t is None
+
+
+SERVER_KEYS = {
+    "server-lr": 0.5,
+    "server-momentum": 0.5,
+    "beta1": 0.5,
+    "beta2": 0.5,
+    "tau": 0.5,
+    "fedexp-epsilon": 0.5,
+    "fedexp-average": True,
+}
+USES = {
+    "fedavgm": {"server-lr", "server-momentum"},
+    "fedadam": {"server-lr", "beta1", "beta2", "tau"},
+    "fedyogi": {"server-lr", "beta1", "beta2", "tau"},
+    "fedadagrad": {"server-lr", "tau"},
+    "fedexp": {"fedexp-epsilon", "fedexp-average"},
+}
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fixed", "fedtops", "local", "centralized", *USES])
+@pytest.mark.parametrize("key", list(SERVER_KEYS))
+def test_a_server_optimizers_key_is_refused_where_it_has_no_effect(name, key):
+    config = {"preset": "sandbox", "strategy.name": name, f"strategy.{key}": SERVER_KEYS[key]}
+    if name == "fixed":
+        config["strategy.multiplier"] = 2.0
+    if key in USES.get(name, ()):
+        assert getattr(parse_run_config(config).strategy, key.replace("-", "_")) == SERVER_KEYS[key]
+    else:
+        with pytest.raises(ConfigError, match=f"'strategy.{key}'.*no effect"):
+            parse_run_config(config)
+
+
+def test_fedexp_refuses_a_robust_aggregator_and_privacy():
+    with pytest.raises(ConfigError, match="'strategy.aggregator' = 'median'.*update norm"):
+        parse_run_config({"preset": "sandbox", "strategy.name": "fedexp", "strategy.aggregator": "median", "num-clients": 5})
+    with pytest.raises(ConfigError, match="privacy.clipping.*'fedexp'"):
+        parse_run_config({"preset": "sandbox", "strategy.name": "fedexp", "privacy.clipping": "fixed", "num-clients": 3})
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam", "fedyogi", "fedadagrad"])
+def test_a_stateful_rule_composes_with_privacy_and_a_robust_mean_but_refuses_to_resume(name):
+    parse_run_config({"preset": "sandbox", "strategy.name": name, "privacy.clipping": "fixed", "num-clients": 3})
+    parse_run_config({"preset": "sandbox", "strategy.name": name, "strategy.aggregator": "median", "num-clients": 3})
+    with pytest.raises(ConfigError, match="'resume-from'.*optimizer state"):
+        parse_run_config({"preset": "sandbox", "strategy.name": name, "resume-from": "runs/x"})
