@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.app import MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from test_strategies import KEYS, THETA, FakeGrid, _common, _record, _run, message
 
