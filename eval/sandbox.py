@@ -356,6 +356,7 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
     """One results.json row from a finished run folder: final held-out scores, the multipliers,
     the aggregation errors (mean over rounds), and for FedTOPS how often each candidate was
     infeasible."""
+    from fedopd.core.strategies import capabilities
     from fedtops_strategy.selection import feasible_indices
     from server_app.run_folder import read_rounds, read_run_config
 
@@ -372,10 +373,17 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
         f"avg@{k}": final[f"avg@{k}"],
         f"pass@{k}": final[f"pass@{k}"],
         "mean_multiplier": float(np.mean(multipliers)) if str(read_run_config(run).get("strategy.name")).startswith("fedtops") else None,
+        "mean_effective_multiplier": _mean_of([r.get("effective-multiplier") for r in trained]),
+        "mean_step_cosine": _mean_of([r.get("step-cosine") for r in trained]),
+        "seconds": float(sum(r.get("seconds", 0.0) for r in trained)),  # the rounds' wall time (train and score phases)
         "aggregation_error": _mean_of([r.get("aggregation-error") for r in trained]),
         "aggregation_error_applied": _mean_of([r.get("aggregation-error-applied") for r in trained]),
         "run": str(run),
     }
+    config = read_run_config(run)
+    settings = {key: config[key] for key in capabilities(str(config.get("strategy.name"))).server_keys if key in config}
+    if settings:
+        row["settings"] = settings
     if any(r.get("change_scores") for r in trained):
         delta = float(read_run_config(run)["strategy.trust-budget"])
         candidates = next(r["candidates"] for r in trained if r.get("change_scores"))
@@ -578,7 +586,11 @@ def intervals(rows: list[dict[str, Any]], draws: int = 5000) -> list[dict[str, A
     for lr in sorted({r["lr"] for r in rows}):
         studied = [m for m in dict.fromkeys(r["method"] for r in rows) if m in METHODS and m not in DEFAULT_METHODS]
         # and each δ of a sweep against FedAvg, each variant against FedAvg and the paper's FedTOPS
-        for a, b in [*COMPARISONS, *(("fedavg", m) for m in swept), *((base, v) for v in studied for base in ("fedavg", "fedtops"))]:
+        rules = [m for m in dict.fromkeys(r["method"] for r in rows) if m in TUNED]
+        # the server-optimizer study's (docs/sandbox.md): FedTOPS − R and R − FedAvg for each rule R
+        pairs = [*COMPARISONS, *(("fedavg", m) for m in swept), *((base, v) for v in studied for base in ("fedavg", "fedtops"))]
+        pairs += [(m, "fedtops") for m in rules] + [("fedavg", m) for m in rules]
+        for a, b in pairs:
             seeds = sorted({s for m, l, s in grades if m == a and l == lr} & {s for m, l, s in grades if m == b and l == lr})
             if not seeds:
                 continue
@@ -603,6 +615,83 @@ def intervals_table(found: list[dict[str, Any]], k: int) -> str:
             + " |"
         )
     return "\n".join(out) + "\n"
+
+
+def step_table(rows: list[dict[str, Any]]) -> str:
+    """Per averaging method and learning rate, means over rounds and seeds of the effective
+    multiplier ‖θ_{t+1} − θ_t‖/‖Δ_t‖ and the step's cosine to Δ_t, and the mean wall time of a run's
+    rounds; the tuned rules' chosen settings."""
+    methods = [
+        m for m in dict.fromkeys(r["method"] for r in rows) if any(r.get("mean_effective_multiplier") is not None for r in rows if r["method"] == m)
+    ]
+    if not methods:
+        return ""
+    lrs = sorted({r["lr"] for r in rows})
+    out = [
+        "**Where the step went: effective multiplier ‖θ_{t+1} − θ_t‖/‖Δ_t‖ / cosine to Δ_t (mean over rounds and seeds), and the rounds' wall time per run (s)**",
+        "",
+        "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | " + " | ".join(f"s/run, lr {lr:g}" for lr in lrs) + " |",
+        "|---|" + "---:|" * (2 * len(lrs)),
+    ]
+    for m in methods:
+        cells, times = [], []
+        for lr in lrs:
+            sel = [r for r in rows if r["method"] == m and r["lr"] == lr]
+            ratios = [r["mean_effective_multiplier"] for r in sel if r.get("mean_effective_multiplier") is not None]
+            cosines = [r["mean_step_cosine"] for r in sel if r.get("mean_step_cosine") is not None]
+            cells.append(f"{np.mean(ratios):.2f} / {np.mean(cosines):.2f}" if ratios and cosines else "–")
+            times.append(f"{np.mean([r['seconds'] for r in sel]):.0f}" if sel and all("seconds" in r for r in sel) else "–")
+        out.append(f"| {method_title(m)} | " + " | ".join(cells + times) + " |")
+    chosen = sorted({(r["method"], r["lr"], json.dumps(r["settings"], sort_keys=True)) for r in rows if r.get("settings")})
+    if chosen:
+        out += ["", "Settings of the tuned rules (chosen on the tuning seeds):", ""]
+        out += [
+            f"- {method_title(m)}, lr {lr:g}: "
+            + ", ".join(f"`{k}` = {v:g}" if isinstance(v, float) else f"`{k}` = {v}" for k, v in json.loads(text).items())
+            for m, lr, text in chosen
+        ]
+    return "\n".join(out) + "\n"
+
+
+def plot_steps(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Per round, mean over seeds: the effective multiplier (top, log scale) and the step's cosine
+    to Δ_t (bottom) of every averaging method, one column per learning rate."""
+    from server_app.run_folder import read_rounds
+
+    methods = [
+        m for m in dict.fromkeys(r["method"] for r in rows) if any(r.get("mean_effective_multiplier") is not None for r in rows if r["method"] == m)
+    ]
+    if not methods:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs = sorted({r["lr"] for r in rows})
+    fig, axes = plt.subplots(2, len(lrs), figsize=(5.2 * len(lrs), 6.4), squeeze=False, sharex=True)
+    for col, lr in enumerate(lrs):
+        for i, m in enumerate(methods):
+            runs = [read_rounds(r["run"]) for r in rows if r["method"] == m and r["lr"] == lr]
+            for row_i, key in enumerate(("effective-multiplier", "step-cosine")):
+                per_run = [{r["round"]: r[key] for r in run if r["round"] > 0 and r.get(key) is not None} for run in runs]
+                xs = sorted(set().union(*per_run)) if per_run else []
+                ys = [float(np.mean([d[x] for d in per_run if x in d])) for x in xs]
+                if xs:
+                    axes[row_i][col].plot(xs, ys, marker="o", ms=2, color=f"C{i}", label=method_title(m))
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_title(f"client learning rate {lr:g}")
+        axes[1][col].set_xlabel("round")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("‖θ_{t+1} − θ_t‖ / ‖Δ_t‖")
+    axes[1][0].set_ylabel("cosine(θ_{t+1} − θ_t, Δ_t)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "step_per_round.png"
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
 
 
 def aggregation_table(rows: list[dict[str, Any]]) -> str:
@@ -848,6 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         table(rows, "accuracy", "Final held-out greedy accuracy (%), mean ± sd over seeds"),
         table(rows, f"avg@{k}", f"Final held-out Avg@{k} (%), mean ± sd over seeds"),
         intervals_table(found, k) if found else "",
+        step_table(rows),
         aggregation_table(rows),
         trust_budget_table(rows, k),
         change_scale_table(rows),
@@ -859,8 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(part for part in parts if part)
     (args.out / "table.md").write_text(text)
     figures = plot(rows, args.out)
-    figure = plot_trust_budgets(rows, args.out, k)
-    figures += [figure] if figure else []
+    figures += [f for f in (plot_trust_budgets(rows, args.out, k), plot_steps(rows, args.out)) if f]
     print()
     print(text)
     for path in [args.out / "results.json", args.out / "intervals.json", args.out / "table.md", *figures]:

@@ -43,10 +43,17 @@ def test_a_preset_reproduces_its_saved_adapters_and_records(preset, tmp_path):
             assert (g.get(key) is None) == (s.get(key) is None), key
             if g.get(key) is not None:
                 assert g[key] == pytest.approx(s[key], rel=1e-9), key
+    # The step's geometry came after the records were saved: these presets step along Δ_t, so it is
+    # the applied a and cosine 1, to the float32 precision of θ_{t+1} − θ_t (a few ulps of θ)
+    for g in got["records"]:
+        if g.get("multiplier"):
+            assert g["effective-multiplier"] == pytest.approx(g["multiplier"], rel=1e-4)
+            assert g["step-cosine"] == pytest.approx(1.0, abs=1e-4)
 
 
 DIAGNOSTICS = ("aggregation-error", "aggregation-error-applied")
+STEP = ("effective-multiplier", "step-cosine")  # not in the saved records: checked above
 
 
 def _without_diagnostics(records):
-    return [{k: v for k, v in r.items() if k not in DIAGNOSTICS} for r in records]
+    return [{k: v for k, v in r.items() if k not in DIAGNOSTICS + STEP} for r in records]

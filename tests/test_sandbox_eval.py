@@ -264,3 +264,55 @@ def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp
     with np.load(run / sandbox.GRADES) as z:
         assert z["greedy"].shape == (12,) and z["sampled"].shape == (12, 2)  # 3 clients × 4 problems
         assert 0 < z["sampled"].mean() < 1  # grades that a wrong adapter or seed would change
+
+
+def test_a_sweep_setting_scales_the_adaptive_rules_with_the_client_learning_rate():
+    # the declared sweep (docs/sandbox.md): η = c × lr, τ = lr / 100; FedAvgM's η absolute, β = 0.9
+    assert sandbox.method_settings("fedadam-x6", 3e-4) == {
+        "strategy.name": "fedadam",
+        "strategy.server-lr": pytest.approx(1.8e-3),
+        "strategy.tau": pytest.approx(3e-6),
+        "strategy.beta1": 0.9,
+        "strategy.beta2": 0.99,
+    }
+    assert sandbox.method_settings("fedadagrad-x20", 3e-3) == {
+        "strategy.name": "fedadagrad",
+        "strategy.server-lr": pytest.approx(0.06),
+        "strategy.tau": pytest.approx(3e-5),
+    }
+    assert sandbox.method_settings("fedavgm-s0.3", 3e-3) == {"strategy.name": "fedavgm", "strategy.server-lr": 0.3, "strategy.server-momentum": 0.9}
+    assert sandbox.method_settings("fedexp-e0.01", 3e-3) == {
+        "strategy.name": "fedexp",
+        "strategy.fedexp-epsilon": 0.01,
+        "strategy.fedexp-average": True,
+    }
+    assert [len(sweep) for sweep in sandbox.SWEEPS.values()] == [3] * 5  # the same tuning budget per rule
+
+
+def test_a_tuned_rule_runs_the_setting_its_tuning_chose_at_that_learning_rate_and_nothing_without_one():
+    tuned = {"fedadam": {"0.0003": "fedadam-x20", "0.003": "fedadam-x2"}}
+    assert sandbox.method_settings("fedadam", 3e-4, tuned)["strategy.server-lr"] == pytest.approx(6e-3)
+    assert sandbox.method_settings("fedadam", 3e-3, tuned)["strategy.server-lr"] == pytest.approx(6e-3)
+    with pytest.raises(ValueError, match="no tuned setting at lr 0.001"):
+        sandbox.method_settings("fedadam", 1e-3, tuned)
+    with pytest.raises(ValueError, match="not a setting of fedadam's sweep"):
+        sandbox.method_settings("fedadam", 3e-4, {"fedadam": {"0.0003": "fedyogi-x2"}})
+
+
+def test_tuning_chooses_the_best_mean_greedy_over_the_tuning_seeds_then_avg_at_k_then_the_first_listed():
+    rows = [
+        # lr 3e-4: x6 has the best mean greedy (50 vs 49 vs 30)
+        *[_row("fedadam-x2", 3e-4, s, a) for s, a in ((20, 48.0), (21, 50.0))],
+        *[_row("fedadam-x6", 3e-4, s, a) for s, a in ((20, 52.0), (21, 48.0))],
+        *[_row("fedadam-x20", 3e-4, s, a) for s, a in ((20, 30.0), (21, 30.0))],
+        # lr 3e-3: x2 and x20 tie within 0.1 pp on greedy; x20's Avg@8 is higher
+        {**_row("fedadam-x2", 3e-3, 20, 60.0), "avg@8": 20.0},
+        {**_row("fedadam-x20", 3e-3, 20, 59.95), "avg@8": 25.0},
+        {**_row("fedadam-x6", 3e-3, 20, 40.0), "avg@8": 40.0},
+        # FedAvgM: a full tie at lr 3e-4 goes to the setting listed first (s0.1 before s1)
+        _row("fedavgm-s1", 3e-4, 20, 40.0),
+        _row("fedavgm-s0.1", 3e-4, 20, 40.0),
+    ]
+    chosen, text = sandbox.choose_settings(rows, 8)
+    assert chosen == {"fedadam": {"0.0003": "fedadam-x6", "0.003": "fedadam-x20"}, "fedavgm": {"0.0003": "fedavgm-s0.1"}}
+    assert "| fedadam-x6 | **50.0 / 25.0** | 40.0 / 40.0 |" in text

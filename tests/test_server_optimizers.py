@@ -12,6 +12,7 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from test_strategies import KEYS, THETA, FakeGrid, _common, _record, _run, message
 
 from fedopd.config import ConfigError, StrategySettings, parse_run_config
+from fedopd.core.settings import PrivacySettings
 from fedtops_strategy import make_strategy
 from fedtops_strategy.fedexp import FedExP, fedexp_step_size
 from fedtops_strategy.round import step_geometry
@@ -239,3 +240,18 @@ def test_a_stateful_rule_composes_with_privacy_and_a_robust_mean_but_refuses_to_
     parse_run_config({"preset": "sandbox", "strategy.name": name, "strategy.aggregator": "median", "num-clients": 3})
     with pytest.raises(ConfigError, match="'resume-from'.*optimizer state"):
         parse_run_config({"preset": "sandbox", "strategy.name": name, "resume-from": "runs/x"})
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam", "fedyogi", "fedadagrad"])
+def test_under_privacy_the_rule_steps_on_the_released_private_mean_and_spends_what_fedavg_spends(name):
+    """The rule is post-processing of the private mean (equal weights over the fixed n = 2, clipped
+    at C, Gaussian noise): with noise 0 and C large its step is the rule's step on the plain
+    equal-weight mean, and the round spends the same ε as FedAvg's with the same settings."""
+    private = PrivacySettings(clipping="fixed", clip_norm=100.0, noise_multiplier=0.0, score_noise=0.0)
+    settings = {"fedavgm": {"server_lr": 0.5}, "fedadagrad": {"server_lr": 0.05}}.get(name, {"server_lr": 0.05})
+    ran = _run(make_strategy(StrategySettings(name=name, **settings), num_clients=2, privacy=private), FakeGrid(UPDATES, WEIGHTS), rounds=2)
+    plain = _run(make_strategy(StrategySettings(name=name, **settings), num_clients=2), FakeGrid(UPDATES, {1: 1, 2: 1}), rounds=2)
+    for got, want in zip(ran, plain):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    fedavg = _run(make_strategy(StrategySettings(name="fedavg"), num_clients=2, privacy=private), FakeGrid(UPDATES, WEIGHTS), rounds=2)
+    assert ran.records[2]["privacy"] == fedavg.records[2]["privacy"]
