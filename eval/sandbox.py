@@ -305,21 +305,22 @@ def final_grades(run: Path) -> Path:
     very seeds of the run's last evaluation, and save ``greedy`` (problems,) and ``sampled``
     (problems, k) 0/1 grades, clients in partition order, to ``run/heldout-grades.npz``.
 
-    Local grades each client's own adapter (``round-NNN/client-<i>``), the other methods the
-    global one. The means must equal the run's recorded final evaluation (same adapters, seeds
+    Local grades each client's own adapter (``round-NNN/client-<i>``), FedExP with
+    ``strategy.fedexp-average`` the average it evaluates (``round-NNN/evaluated``), the other
+    methods the global one. The means must equal the run's recorded final evaluation (same adapters, seeds
     and problems); a mismatch is an error.
     """
     from fedopd.config import parse_run_config
     from fedopd.models.lora import load_adapter
-    from server_app.run_folder import read_rounds, read_run_config
+    from server_app.run_folder import EVALUATED, read_rounds, read_run_config
 
     cfg = parse_run_config(read_run_config(run))
     last = read_rounds(run)[-1]
     folder = run / f"round-{last['round']:03d}"
     if cfg.strategy.name == "local":
         adapter_for = lambda pid: load_adapter(folder / f"client-{pid}")  # noqa: E731
-    else:
-        theta = load_adapter(folder)
+    else:  # the adapter the run's evaluation reads: FedExP's average of its last two iterates where it saved one
+        theta = load_adapter(folder / EVALUATED if (folder / EVALUATED).is_dir() else folder)
         adapter_for = lambda pid: theta  # noqa: E731
     greedy_all, sampled_all = grade_clients(cfg, adapter_for, last["round"], int(cfg.num_clients or 3))
     recorded = last.get("evaluation")

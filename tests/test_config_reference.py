@@ -97,3 +97,13 @@ def test_a_bad_readme_style_override_would_fail():
 
     with pytest.raises(ConfigError):
         parse_run_config({**app_defaults(), **overrides_from_args(["strategy.name='fedprox'"])})
+
+
+def test_the_strategy_table_in_docs_strategies_is_the_generated_one():
+    from fedopd.config.reference import STRATEGIES_PAGE, strategies_table
+    from fedopd.core.strategies import CAPABILITIES
+
+    page = STRATEGIES_PAGE.read_text()
+    assert render_page(page, strategies_table()) == page, "docs/strategies.md is stale: run python -m fedopd.config.reference --write"
+    for name in CAPABILITIES:
+        assert f"| `{name}` |" in page

@@ -230,10 +230,12 @@ def test_replicates_of_the_source_swap_give_a_mean_a_seed_interval_and_a_detecta
 
 
 @pytest.mark.slow
-def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp_path):
+@pytest.mark.parametrize(("method", "settings"), [("local", {}), pytest.param("fedexp", {"strategy.fedexp-average": True}, marks=pytest.mark.slow)])
+def test_the_final_grades_reproduce_the_recorded_evaluation_of_what_the_run_evaluated(method, settings, tmp_path):
     # Re-grading happens outside the run (eval.sandbox, after it): each Local client's own final
-    # adapter, the seeds of the last evaluation. The run's evaluate handler scored the same
-    # adapters independently; equal held-out sets per client, so the pooled mean is Local's mean.
+    # adapter, FedExP's average of its last two iterates, with the seeds of the last evaluation. The
+    # run's evaluate handler scored the same adapters independently; equal held-out sets per
+    # client, so the pooled mean is Local's mean.
     from client_app.app import app
     from fedopd.config import parse_run_config
     from fedopd.config.presets import app_defaults
@@ -242,7 +244,7 @@ def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp
 
     overrides = {
         **app_defaults(),  # the sandbox models: they solve some problems, so the grades vary
-        "strategy.name": "local",
+        "strategy.name": method,
         "num-server-rounds": 1,
         "data.prompts-per-client": 8,
         "rollout.per-round": 4,
@@ -252,6 +254,7 @@ def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp
         "eval.prompts-per-client": 4,
         "eval.samples": 2,
         "output-dir": str(tmp_path),
+        **settings,
     }
     cfg = parse_run_config(overrides)
     with task_identity():
@@ -264,6 +267,14 @@ def test_the_final_grades_of_local_clients_reproduce_the_recorded_evaluation(tmp
     with np.load(run / sandbox.GRADES) as z:
         assert z["greedy"].shape == (12,) and z["sampled"].shape == (12, 2)  # 3 clients × 4 problems
         assert 0 < z["sampled"].mean() < 1  # grades that a wrong adapter or seed would change
+    if method == "fedexp":  # what was evaluated is (θ_0 + θ_1)/2, not θ_1
+        from fedopd.models.lora import load_adapter
+
+        theta = [load_adapter(run / f"round-00{t}") for t in (0, 1)]
+        evaluated = load_adapter(run / "round-001" / "evaluated")
+        for key in theta[0]:
+            np.testing.assert_allclose(evaluated[key], (theta[0][key] + theta[1][key]) / 2, rtol=1e-6, atol=1e-8)
+        assert any(not np.allclose(evaluated[k], theta[1][k]) for k in theta[0])
 
 
 def test_a_sweep_setting_scales_the_adaptive_rules_with_the_client_learning_rate():

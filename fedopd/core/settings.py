@@ -231,7 +231,7 @@ class StrategySettings:
     name: str = setting(
         "fedtops",
         (str, lambda v: bool(v.strip()), "a registered strategy"),
-        "`fedavg`, `fixed`, `fedtops`, and the references `local`, `centralized`; `fedtops-se` and `fedtops-heldout-cache` are variants of the lr study ([docs/sandbox.md](sandbox.md#why-fedtops-trails-fedavg-at-the-large-learning-rate-pre-registered-study)), off by default",
+        "`fedavg`, `fixed`, `fedtops`, the server optimizers `fedexp`, `fedavgm`, `fedadam`, `fedyogi`, `fedadagrad` ([docs/strategies.md](strategies.md)), and the references `local`, `centralized`; `fedtops-se` and `fedtops-heldout-cache` are variants of the lr study ([docs/sandbox.md](sandbox.md#why-fedtops-trails-fedavg-at-the-large-learning-rate-pre-registered-study)), off by default",
     )
     multiplier: float = setting(
         -1.0,
