@@ -167,7 +167,8 @@ def round_summary(record: dict, num_rounds: int, eta: float | None = None) -> st
             " (held: see the WARNING above)" if record.get("clients") and record.get("hold-reason") else "",
         ]
     )
-    a = "-" if a is None else f"{a:g}"
+    cosine = record.get("step-cosine")  # a server optimizer's step is not along Δ_t: its a is the effective one
+    a = "-" if a is None else f"{a:g}" + (f" (effective, cos {cosine:.2f})" if cosine is not None and cosine < 0.9999 else "")
     return (
         f"round {record['round']}/{num_rounds} [{record['strategy']}] a = {a} | J(a) = {j} | "
         f"feasible {feasible} | client {what} {kl}{aggregation_error_summary(record)}{evaluation_summary(record.get('evaluation'))}"

@@ -68,6 +68,8 @@ def round_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     for key in ("aggregation-error", "aggregation-error-applied"):
         if record.get(key) is not None:
             out[f"server/{key.replace('-', '_')}"] = 100.0 * float(record[key])
+    if record.get("step-cosine") is not None:  # where the step went relative to Δ_t (docs/strategies.md)
+        out["server/step_cosine"] = float(record["step-cosine"])
     if (record.get("privacy") or {}).get("epsilon") is not None:  # None: ∞, nothing to plot
         out["privacy/epsilon"] = float(record["privacy"]["epsilon"])
     if "seconds" in record:

@@ -193,6 +193,24 @@ def test_the_aggregation_error_is_a_scalar_in_percent_and_part_of_the_round_line
     assert "factor-average" not in round_summary({"round": 1, "strategy": "local", "clients": []}, 4)
 
 
+def test_a_step_that_is_not_along_the_average_says_its_multiplier_is_the_effective_one():
+    from server_app.log_lines import round_summary
+
+    record = {
+        "round": 2,
+        "strategy": "fedadam",
+        "multiplier": 1.234,
+        "clients": [],
+        "seconds": 1.0,
+        "effective-multiplier": 1.234,
+        "step-cosine": 0.8712,
+    }
+    assert "a = 1.234 (effective, cos 0.87) |" in round_summary(record, 4)
+    assert round_scalars(record)["server/step_cosine"] == pytest.approx(0.8712)
+    along = {**record, "strategy": "fixed", "multiplier": 3.0, "step-cosine": 0.99999994}  # cosine 1 to fp32 rounding
+    assert "a = 3 |" in round_summary(along, 4)
+
+
 def test_the_eta_is_the_rounds_left_times_the_mean_recorded_round_with_its_evaluation():
     from server_app.log_lines import duration_text, eta_seconds, round_summary
 
