@@ -347,6 +347,7 @@ class ServerStrategy:
             result.train_metrics_clientapp[server_round] = self.round_metrics(played)
             if on_round is not None:
                 on_round(played)
-            if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays)) is not None:
+            evaluated = self.evaluated_arrays(arrays)  # what this strategy evaluates (FedExP: its last two iterates' average)
+            if evaluate_fn is not None and (res := evaluate_fn(server_round, arrays if evaluated is None else evaluated)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
         return result

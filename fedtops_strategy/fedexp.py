@@ -6,7 +6,8 @@ Speeding Up Federated Averaging via Extrapolation", ICLR 2023), on the LoRA fact
 Δ_i = θ_{t,i}^+ − θ_t the updates that were averaged (after ``strategy.clip-norm`` /
 ``max-weight``), w_i their weights in the average normalized to sum 1 (the paper writes the
 uniform 1/M; the authors' code weighs by data size, as here), Δ̄ = Σ w_i Δ_i. ``strategy.fedexp-epsilon`` ε.
-The authors' code adds M·ε instead of ε and decays ε by 0.998² a round; neither is done here.
+The authors' code adds S·ε instead of ε (S the clients sampled per round) and decays ε by 0.998²
+a round; neither is done here.
 
 ``strategy.fedexp-average``: what is evaluated and saved as ``round-NNN/evaluated`` is
 (θ_t + θ_{t+1}) / 2, the average of the last two iterates that the paper reports (the iterates
@@ -60,7 +61,7 @@ class FedExP(ServerStrategy):
         updates, notes = super().bounded_updates(sent, kept)
         if updates:
             norms = [squared_norm(u.arrays, sent.theta) for u in updates]
-            notes[NOTE] = {"update-norm-sq": norms, "weights": [float(u.weight) for u in updates]}
+            notes[NOTE] = {"node-ids": [u.node_id for u in updates], "update-norm-sq": norms, "weights": [float(u.weight) for u in updates]}
         return updates, notes
 
     def step(self, train: TrainAggregate, scores) -> Step:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from logging import WARNING
 from typing import Any
 
@@ -43,35 +45,61 @@ class FlowerOptimizerStep(ServerStrategy):
 
     def __init__(self, optimizer: Callable[[], Any], **kwargs) -> None:
         super().__init__(**kwargs)
-        flwr_logger = logging.getLogger("flwr")
-        level = flwr_logger.level
-        flwr_logger.setLevel(logging.ERROR)  # fraction_evaluate = 0 is the design here: no warning
-        try:
+        with quiet_flower():  # fraction_evaluate = 0 is the design here: no warning
             self.optimizer = optimizer()
-        finally:
-            flwr_logger.setLevel(level)
 
     def optimizer_step(self, server_round: int, theta: Named, mean: Named) -> Named:
         """θ_{t+1} from Flower's ``aggregate_train`` on the average as one reply of weight 1,
-        around θ_t (what its ``configure_train`` would have kept)."""
+        around θ_t (what its ``configure_train`` would have kept). ``server_round`` is Flower's:
+        FedAdam's bias correction counts rounds, held ones included, as Flower's own loop does."""
         self.optimizer.current_arrays = self.current_arrays(theta)
-        arrays, _ = self.optimizer.aggregate_train(server_round, [as_message(Update(0, mean, 1.0))])
+        with quiet_flower():  # its "Received 1 results" line would contradict the round's real count
+            arrays, _ = self.optimizer.aggregate_train(server_round, [as_message(Update(0, mean, 1.0))])
         return {k: np.asarray(v, dtype=np.float32) for k, v in from_record(arrays).items()}
 
     def current_arrays(self, theta: Named):
         """θ_t in the form the optimizer keeps it (FedOpt: a dict of arrays)."""
         return {k: np.asarray(v) for k, v in theta.items()}
 
+    def state_finite(self) -> bool:
+        """Whether every array of the optimizer's state (:attr:`STATE`) is finite (an overflowed v_t
+        would freeze its coordinates for good)."""
+        for name in self.STATE:
+            value = getattr(self.optimizer, name)
+            arrays = value.values() if isinstance(value, dict) else (value or [])
+            if not all(np.all(np.isfinite(np.asarray(a))) for a in arrays):
+                return False
+        return True
+
     def step(self, train: TrainAggregate, scores) -> Step:
         if train.mean is None:  # nothing averaged: the round holds, the optimizer's state untouched
             return apply_step(train, 0.0)
         saved = {name: copy.deepcopy(getattr(self.optimizer, name)) for name in self.STATE}
         new = self.optimizer_step(train.server_round, train.theta, train.mean)
-        if not all_finite(new):
+        if not (all_finite(new) and self.state_finite()):
             for name, value in saved.items():
                 setattr(self.optimizer, name, value)
             log(WARNING, "round %d holds: the %s step is not finite (θ_t kept, its state as before)", train.server_round, self.strategy_name)
             return Step(train.theta, 0.0, {"hold-reason": f"the {self.strategy_name} step is not finite", **aggregation_errors(train, 0.0)})
-        # the mean factors' error is this round's; the applied one assumes a step along Δ_t, which this is not
-        details = {**aggregation_errors(train, 1.0), "aggregation-error-applied": None}
-        return Step(new, step_geometry(train.theta, new, train.delta)["effective-multiplier"], details)
+        geometry = step_geometry(train.theta, new, train.delta)
+        # the mean factors' error is this round's; the applied one assumes a step along Δ_t, which this is not.
+        # step-norm: how far θ moved, also where Δ_t = 0 and momentum still moves it (no multiplier then)
+        details = {**aggregation_errors(train, 1.0), "aggregation-error-applied": None, "step-norm": step_norm(train.theta, new)}
+        return Step(new, geometry["effective-multiplier"], details)
+
+
+def step_norm(theta: Named, new: Named) -> float:
+    """‖θ_{t+1} − θ_t‖ in float64 over every factor."""
+    return math.sqrt(sum(float(np.sum((np.asarray(new[k], np.float64) - np.asarray(v, np.float64)) ** 2)) for k, v in theta.items()))
+
+
+@contextmanager
+def quiet_flower():
+    """Flower's logger at ERROR for the duration (its strategies log as if they ran the round)."""
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        flwr_logger.setLevel(level)

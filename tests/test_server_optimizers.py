@@ -255,3 +255,45 @@ def test_under_privacy_the_rule_steps_on_the_released_private_mean_and_spends_wh
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     fedavg = _run(make_strategy(StrategySettings(name="fedavg"), num_clients=2, privacy=private), FakeGrid(UPDATES, WEIGHTS), rounds=2)
     assert ran.records[2]["privacy"] == fedavg.records[2]["privacy"]
+
+
+def test_an_optimizer_state_that_overflows_holds_the_round_and_is_restored():
+    # Δ ≈ 1e25 per coordinate: Δ² overflows fp32 in v_t while θ + η m/(√v + τ) stays finite (m/∞ = 0)
+    huge = {1: [THETA[0] + 1e25, THETA[1]], 2: [THETA[0] + 1e25, THETA[1]]}
+    strategy = make_strategy(StrategySettings(name="fedadagrad", server_lr=0.05), num_clients=2)
+    got = _run(strategy, FakeGrid(huge, WEIGHTS))
+    np.testing.assert_array_equal(got[0], THETA[0])
+    assert "not finite" in got.records[1]["hold-reason"] and got.records[1]["multiplier"] == 0.0
+    assert strategy.optimizer.v_t is None
+
+
+def test_momentum_that_moves_theta_while_the_average_does_not_records_how_far_it_went():
+    # FedAvgM η = 1, β = 0.9: round 1 moves to the mean (θ_1 = MEAN); round 2's replies are the same,
+    # so Δ_2 = 0, and momentum alone moves θ by 0.9 Δ_1: no multiplier of Δ_2, a step of 0.9‖Δ_1‖
+    got = run_rule("fedavgm", rounds=2, server_lr=1.0, server_momentum=0.9)
+    delta1 = [m - t for m, t in zip(MEAN, THETA)]
+    norm1 = math.sqrt(sum(float(np.sum(d**2)) for d in delta1))
+    record = got.records[2]
+    assert record["multiplier"] is None and "effective-multiplier" not in record
+    assert record["step-norm"] == pytest.approx(0.9 * norm1, rel=1e-5)
+    assert got.records[1]["step-norm"] == pytest.approx(norm1, rel=1e-5)
+
+
+def test_flowers_start_evaluates_what_the_strategy_evaluates():
+    updates = {1: [THETA[0] + 1.0, THETA[1]], 2: [THETA[0] - 0.5, THETA[1]]}
+    seen = {}
+    strategy = FedExP(epsilon=0.375, average_last_two=True, **_common(2))
+    strategy.start(
+        FakeGrid(updates, {1: 5, 2: 5}), _record(THETA), num_rounds=1, evaluate_fn=lambda t, arrays: seen.setdefault(t, arrays[KEYS[0]].numpy())
+    )
+    np.testing.assert_allclose(seen[1], THETA[0] + 0.3125, rtol=1e-6)  # (θ_0 + θ_1)/2, θ_1 = θ_0 + 0.625
+
+
+@pytest.mark.parametrize(("tau", "ok"), [(1e-30, True), (9e-31, False), (0.0, False), (float("inf"), False)])
+def test_tau_must_stay_representable_in_fp32(tau, ok):
+    config = {"preset": "sandbox", "strategy.name": "fedadagrad", "strategy.tau": tau}
+    if ok:
+        assert parse_run_config(config).strategy.tau == tau
+    else:
+        with pytest.raises(ConfigError, match="'strategy.tau'"):
+            parse_run_config(config)

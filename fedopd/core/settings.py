@@ -302,7 +302,11 @@ class StrategySettings:
         0.9, (float, lambda v: 0.0 <= v < 1.0, "a number >= 0 and < 1"), "β₁ of `fedadam` and `fedyogi` (the first moment; FedAdagrad has none)"
     )
     beta2: float = setting(0.99, (float, lambda v: 0.0 <= v < 1.0, "a number >= 0 and < 1"), "β₂ of `fedadam` and `fedyogi` (the second moment)")
-    tau: float = setting(1e-3, _float(0.0, strict=True), "τ of `fedadam`, `fedyogi`, `fedadagrad`: the adaptivity, added to √v")
+    tau: float = setting(
+        1e-3,
+        (float, lambda v: math.isfinite(v) and v >= 1e-30, "a finite number >= 1e-30 (smaller is 0 in fp32: 0/0 where Δ stays 0)"),
+        "τ of `fedadam`, `fedyogi`, `fedadagrad`: the adaptivity, added to √v",
+    )
     fedexp_epsilon: float = setting(
         1e-3, _float(0.0, strict=True), "ε of `fedexp`: η_g = max(1, Σ w_i‖Δ_i‖² / (2(‖Δ̄‖² + ε))), w_i the normalized weights"
     )
