@@ -1,7 +1,8 @@
 """The paper's learning-rate × method comparison on the CPU sandbox.
 
     python -m eval.sandbox [--lrs 3e-4,3e-3] [--methods local,centralized,fedavg,fixed3,fixed10,fedtops]
-                           [--trust-budgets 0.01,0.05,inf] [--seeds 0,1] [--rounds 10] [--eval-every 5]
+                           [--trust-budgets 0.01,0.05,inf] [--tune fedadam,... | --tuned tuned.json]
+                           [--seeds 0,1] [--rounds 10] [--eval-every 5]
                            [--jobs 2] [--out sandbox-results] [--runs DIR] [--bootstrap 5000]
                            [--run-config "num-clients=12 data.partitioner='dirichlet' ..."]
 
@@ -17,6 +18,13 @@ two-threaded run).
 
 ``--trust-budgets`` adds FedTOPS at each trust budget δ as a method of its own,
 ``fedtops-d<δ>`` (``inf``: no constraint, the candidate with the lowest Ĵ wins).
+
+The server optimizers (``fedexp``, ``fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) are
+tuned first: ``--tune RULES --seeds <tuning seeds>`` runs each rule's declared sweep
+(:data:`SWEEPS`, three settings, the adaptive rules' η and τ in units of the client learning
+rate) and writes ``OUT/tuned.json``, the setting with the best mean final greedy accuracy per rule
+and learning rate (:func:`choose_settings`); ``--methods fedadam,... --tuned tuned.json`` then runs
+each rule at its chosen setting, compared with FedTOPS and FedAvg (FedTOPS − R, R − FedAvg).
 
 ``--run-config`` (repeatable, exactly as for ``flwr run``) changes the setting every cell runs in:
 the number of clients (``num-clients``, default 3), the partitioner, ``strategy.fraction-train``,
