@@ -297,3 +297,64 @@ def test_tau_must_stay_representable_in_fp32(tau, ok):
     else:
         with pytest.raises(ConfigError, match="'strategy.tau'"):
             parse_run_config(config)
+
+
+# -- generated inputs at the boundaries: client updates (untrusted replies) and run-config values --
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FIXED = settings(max_examples=60, derandomize=True, deadline=None, database=None)
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32)
+
+
+@FIXED
+@given(
+    moves=st.lists(st.tuples(finite, finite), min_size=2, max_size=4),
+    weights=st.lists(st.integers(min_value=1, max_value=100), min_size=4, max_size=4),
+    epsilon=st.sampled_from([1e-6, 1e-3, 1.0]),
+)
+def test_whatever_the_clients_send_fedexps_step_stays_within_its_bound(moves, weights, epsilon):
+    """Any finite updates (a hostile client may cancel the others to shrink ‖Δ̄‖): η_gΔ̄ is either
+    Δ̄ (η_g = 1, ‖Δ̄‖ ≤ √S by Jensen) or S·Δ̄ / (2(‖Δ̄‖² + ε)), whose norm is at most S / (4√ε),
+    S = Σ w_i‖Δ_i‖²; θ_{t+1} is finite or the round holds."""
+    updates = {n + 1: [THETA[0] + np.float32(a), THETA[1] + np.float32(b)] for n, (a, b) in enumerate(moves)}
+    ws = {n + 1: weights[n] for n in range(len(moves))}
+    got = _run(FedExP(epsilon=epsilon, **_common(len(moves))), FakeGrid(updates, ws))
+    record = got.records[1]
+    assert all(np.all(np.isfinite(x)) for x in got)
+    if record["multiplier"] == 0.0:  # held: θ_t kept
+        np.testing.assert_array_equal(got[0], THETA[0])
+        return
+    spread = record["fedexp"]["mean-update-norm-sq"]
+    step = math.sqrt(sum(float(np.sum((np.asarray(g, np.float64) - t) ** 2)) for g, t in zip(got, THETA)))
+    bound = max(math.sqrt(spread), spread / (4 * math.sqrt(epsilon)))
+    assert step <= bound * (1 + 1e-5) + 1e-6 * (1 + max(abs(a) for m in moves for a in m))  # fp32 rounding of θ_{t+1}
+
+
+RANGES = {  # key: (accepted value?)
+    "strategy.server-lr": lambda v: (v > 0 or v == -1.0) and math.isfinite(v),
+    "strategy.server-momentum": lambda v: 0 <= v < 1,
+    "strategy.beta1": lambda v: 0 <= v < 1,
+    "strategy.beta2": lambda v: 0 <= v < 1,
+    "strategy.tau": lambda v: math.isfinite(v) and v >= 1e-30,
+    "strategy.fedexp-epsilon": lambda v: math.isfinite(v) and v > 0,
+}
+OWNER = {
+    "strategy.server-lr": "fedadam",
+    "strategy.server-momentum": "fedavgm",
+    "strategy.beta1": "fedadam",
+    "strategy.beta2": "fedyogi",
+    "strategy.tau": "fedadagrad",
+    "strategy.fedexp-epsilon": "fedexp",
+}
+
+
+@FIXED
+@given(key=st.sampled_from(list(RANGES)), value=st.one_of(st.floats(allow_nan=True), st.sampled_from([-1.0, 0.0, 1.0, 1e-30, 1e-31, 0.999999])))
+def test_a_server_optimizers_value_is_accepted_exactly_in_its_declared_range(key, value):
+    config = {"preset": "sandbox", "strategy.name": OWNER[key], key: value}
+    if RANGES[key](value):
+        parse_run_config(config)
+    else:
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            parse_run_config(config)
