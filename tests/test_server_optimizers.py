@@ -329,6 +329,14 @@ def test_whatever_the_clients_send_fedexps_step_stays_within_its_bound(moves, we
     step = math.sqrt(sum(float(np.sum((np.asarray(g, np.float64) - t) ** 2)) for g, t in zip(got, THETA)))
     bound = max(math.sqrt(spread), spread / (4 * math.sqrt(epsilon)))
     assert step <= bound * (1 + 1e-5) + 1e-6 * (1 + max(abs(a) for m in moves for a in m))  # fp32 rounding of θ_{t+1}
+    # η_g by hand from the updates as the server received them (fp32 θ + move, back in float64)
+    deltas = [[np.asarray(u, np.float64) - t for u, t in zip(updates[n], THETA)] for n in updates]
+    w = np.array([ws[n] for n in updates], np.float64) / sum(ws.values())
+    spread_hand = sum(wi * sum(float(np.sum(d**2)) for d in di) for wi, di in zip(w, deltas))
+    mean_sq = sum(float(np.sum(sum(wi * di[k] for wi, di in zip(w, deltas)) ** 2)) for k in range(2))
+    # fp32 averaging errs by ~1e-7 relative to the updates, i.e. by ≤ 1e-4 of ‖Δ̄‖² when S / ‖Δ̄‖² ≤ 1e3
+    if mean_sq > 1e-3 * spread_hand:  # no cancellation that fp32 averaging would blur
+        assert record["multiplier"] == pytest.approx(max(1.0, spread_hand / (2 * (mean_sq + epsilon))), rel=1e-3)
 
 
 RANGES = {  # key: (accepted value?)
