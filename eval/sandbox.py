@@ -356,6 +356,18 @@ def graded_scores(path: Path) -> dict[str, float]:
         return heldout_scores(z["greedy"], z["sampled"])
 
 
+def step_fields(record: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(effective multiplier, cosine to Δ_t) of a round record. A record written before the round
+    record had them (issue 50) and whose strategy steps along Δ_t (no ``step-cosine``, a
+    ``multiplier`` a) moved by θ_t + aΔ_t: (a, 1), or (0, None) for a hold; Local: (None, None)."""
+    if "step-cosine" in record or "effective-multiplier" in record:
+        return record.get("effective-multiplier"), record.get("step-cosine")
+    a = record.get("multiplier")
+    if a is None or record.get("strategy") in ("local", "centralized"):
+        return None, None
+    return float(a), (1.0 if a > 0 else None)
+
+
 def _mean_of(values: list) -> float | None:
     values = [float(v) for v in values if v is not None]
     return float(np.mean(values)) if values else None
@@ -382,8 +394,8 @@ def result_row(method: str, lr: float, seed: int, run: Path) -> dict[str, Any]:
         f"avg@{k}": final[f"avg@{k}"],
         f"pass@{k}": final[f"pass@{k}"],
         "mean_multiplier": float(np.mean(multipliers)) if str(read_run_config(run).get("strategy.name")).startswith("fedtops") else None,
-        "mean_effective_multiplier": _mean_of([r.get("effective-multiplier") for r in trained]),
-        "mean_step_cosine": _mean_of([r.get("step-cosine") for r in trained]),
+        "mean_effective_multiplier": _mean_of([step_fields(r)[0] for r in trained]),
+        "mean_step_cosine": _mean_of([step_fields(r)[1] for r in trained]),
         "seconds": float(sum(r.get("seconds", 0.0) for r in trained)),  # the rounds' wall time (train and score phases)
         "aggregation_error": _mean_of([r.get("aggregation-error") for r in trained]),
         "aggregation_error_applied": _mean_of([r.get("aggregation-error-applied") for r in trained]),
@@ -682,8 +694,8 @@ def plot_steps(rows: list[dict[str, Any]], out: Path) -> Path | None:
     for col, lr in enumerate(lrs):
         for i, m in enumerate(methods):
             runs = [read_rounds(r["run"]) for r in rows if r["method"] == m and r["lr"] == lr]
-            for row_i, key in enumerate(("effective-multiplier", "step-cosine")):
-                per_run = [{r["round"]: r[key] for r in run if r["round"] > 0 and r.get(key) is not None} for run in runs]
+            for row_i in range(2):  # the effective multiplier, the cosine
+                per_run = [{r["round"]: step_fields(r)[row_i] for r in run if r["round"] > 0 and step_fields(r)[row_i] is not None} for run in runs]
                 xs = sorted(set().union(*per_run)) if per_run else []
                 ys = [float(np.mean([d[x] for d in per_run if x in d])) for x in xs]
                 if xs:

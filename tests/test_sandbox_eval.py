@@ -327,3 +327,10 @@ def test_tuning_chooses_the_best_mean_greedy_over_the_tuning_seeds_then_avg_at_k
     chosen, text = sandbox.choose_settings(rows, 8)
     assert chosen == {"fedadam": {"0.0003": "fedadam-x6", "0.003": "fedadam-x20"}, "fedavgm": {"0.0003": "fedavgm-s0.1"}}
     assert "| fedadam-x6 | **50.0 / 25.0** | 40.0 / 40.0 |" in text
+
+
+def test_a_record_from_before_the_step_fields_reads_as_a_step_along_the_average():
+    assert sandbox.step_fields({"strategy": "fedtops", "multiplier": 5.0}) == (5.0, 1.0)
+    assert sandbox.step_fields({"strategy": "fedavg", "multiplier": 0.0}) == (0.0, None)  # a hold
+    assert sandbox.step_fields({"strategy": "local", "multiplier": None}) == (None, None)
+    assert sandbox.step_fields({"strategy": "fedadam", "multiplier": 2.0, "effective-multiplier": 2.0, "step-cosine": 0.4}) == (2.0, 0.4)
