@@ -25,14 +25,10 @@ from flwr.app import Array, ArrayRecord
 
 from fedopd.models.lora import Named, from_record
 from fedtops_strategy.base import ServerStrategy
+from fedtops_strategy.bounds import update_norm
 from fedtops_strategy.round import Step, TrainAggregate, apply_step
 
 NOTE = "fedexp"  # the round record's field: Σ w_i‖Δ_i‖², ‖Δ̄‖², η_g
-
-
-def squared_norm(arrays: Named, theta: Named) -> float:
-    """‖arrays − θ_t‖² in float64 over every factor."""
-    return float(sum(np.sum((np.asarray(arrays[k], dtype=np.float64) - np.asarray(v, dtype=np.float64)) ** 2) for k, v in theta.items()))
 
 
 def weighted_mean(values: list[float], weights: list[float]) -> float:
@@ -60,7 +56,7 @@ class FedExP(ServerStrategy):
         """The averaged updates, and their weighted mean squared norm Σ w_i‖Δ_i‖² in the record."""
         updates, notes = super().bounded_updates(sent, kept)
         if updates:
-            norms = [squared_norm(u.arrays, sent.theta) for u in updates]
+            norms = [update_norm(sent.theta, u.arrays) ** 2 for u in updates]
             notes[NOTE] = {"node-ids": [u.node_id for u in updates], "update-norm-sq": norms, "weights": [float(u.weight) for u in updates]}
         return updates, notes
 
@@ -69,7 +65,7 @@ class FedExP(ServerStrategy):
         seen = train.notes.get(NOTE)
         if train.mean is None or seen is None:
             return apply_step(train, 0.0)
-        mean_sq = squared_norm(train.mean, train.theta)
+        mean_sq = update_norm(train.theta, train.mean) ** 2
         spread = weighted_mean(seen["update-norm-sq"], seen["weights"])
         eta = fedexp_step_size(spread, mean_sq, self.epsilon)
         return apply_step(train, eta, {NOTE: {"mean-update-norm-sq": spread, "average-norm-sq": mean_sq, "eta-g": eta}})

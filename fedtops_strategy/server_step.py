@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from logging import WARNING
@@ -30,7 +29,7 @@ from flwr.common.logger import log
 from fedopd.models.lora import Named, from_record
 from fedtops_strategy.averaging import Update, as_message
 from fedtops_strategy.base import ServerStrategy
-from fedtops_strategy.bounds import all_finite
+from fedtops_strategy.bounds import all_finite, update_norm
 from fedtops_strategy.round import Step, TrainAggregate, aggregation_errors, apply_step, step_geometry
 
 
@@ -84,13 +83,8 @@ class FlowerOptimizerStep(ServerStrategy):
         geometry = step_geometry(train.theta, new, train.delta)
         # the mean factors' error is this round's; the applied one assumes a step along Δ_t, which this is not.
         # step-norm: how far θ moved, also where Δ_t = 0 and momentum still moves it (no multiplier then)
-        details = {**aggregation_errors(train, 1.0), "aggregation-error-applied": None, "step-norm": step_norm(train.theta, new)}
+        details = {**aggregation_errors(train, 1.0), "aggregation-error-applied": None, "step-norm": update_norm(train.theta, new)}
         return Step(new, geometry["effective-multiplier"], details)
-
-
-def step_norm(theta: Named, new: Named) -> float:
-    """‖θ_{t+1} − θ_t‖ in float64 over every factor."""
-    return math.sqrt(sum(float(np.sum((np.asarray(new[k], np.float64) - np.asarray(v, np.float64)) ** 2)) for k, v in theta.items()))
 
 
 @contextmanager
