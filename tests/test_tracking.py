@@ -106,7 +106,8 @@ def mlflow_runs(uri: str, experiment: str = "fedtops") -> list:
 
 def expected_scalars(record: dict) -> dict[str, float]:
     """What a round of the tiny FedTOPS run must show: the clients' mean losses, the selected a and
-    its Ĵ, the averaging errors in %, the round's seconds and its MB per direction and phase."""
+    its Ĵ, the averaging errors in %, the step's cosine to Δ_t, the round's seconds and its MB per
+    direction and phase."""
     clients = record["clients"]
     out = {f"clients/{k}": sum(c[k] for c in clients) / len(clients) for k in ("loss", "loss_first", "loss_last")}
     a = record["multiplier"]
@@ -114,6 +115,7 @@ def expected_scalars(record: dict) -> dict[str, float]:
     out["server/teacher_score_selected"] = record["teacher_scores"][record["candidates"].index(a)]
     out["server/aggregation_error"] = 100 * record["aggregation-error"]
     out["server/aggregation_error_applied"] = 100 * record["aggregation-error-applied"]
+    out["server/step_cosine"] = record["step-cosine"]  # FedTOPS steps along Δ_t: 1 to fp32 rounding
     out["server/round_seconds"] = record["seconds"]
     comm = record["communication"]
     out["comm/sent_mb"], out["comm/received_mb"] = comm["sent"] / 1e6, comm["received"] / 1e6
