@@ -491,7 +491,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=150)
     plt.close(fig)
 
-    averaged = [m for m in methods if any(r["aggregation_error"] is not None for r in rows if r["method"] == m)]
+    averaged = methods_with(rows, "aggregation_error")
     if averaged:  # the aggregation error per round, mean over seeds: mean factors (solid) and applied update (dashed)
         fig, axes = plt.subplots(1, len(lrs), figsize=(4.6 * len(lrs), 3.4), sharey=True, squeeze=False)
         for ax, lr in zip(axes[0], lrs):
@@ -638,13 +638,16 @@ def intervals_table(found: list[dict[str, Any]], k: int) -> str:
     return "\n".join(out) + "\n"
 
 
+def methods_with(rows: list[dict[str, Any]], key: str) -> list[str]:
+    """The methods, in the rows' order, of which some row has a value for ``key``."""
+    return [m for m in dict.fromkeys(r["method"] for r in rows) if any(r.get(key) is not None for r in rows if r["method"] == m)]
+
+
 def step_table(rows: list[dict[str, Any]]) -> str:
     """Per averaging method and learning rate, means over rounds and seeds of the effective
     multiplier ‖θ_{t+1} − θ_t‖/‖Δ_t‖ and the step's cosine to Δ_t, and the mean wall time of a run's
     rounds; the tuned rules' chosen settings."""
-    methods = [
-        m for m in dict.fromkeys(r["method"] for r in rows) if any(r.get("mean_effective_multiplier") is not None for r in rows if r["method"] == m)
-    ]
+    methods = methods_with(rows, "mean_effective_multiplier")
     if not methods:
         return ""
     lrs = sorted({r["lr"] for r in rows})
@@ -679,9 +682,7 @@ def plot_steps(rows: list[dict[str, Any]], out: Path) -> Path | None:
     to Δ_t (bottom) of every averaging method, one column per learning rate."""
     from server_app.run_folder import read_rounds
 
-    methods = [
-        m for m in dict.fromkeys(r["method"] for r in rows) if any(r.get("mean_effective_multiplier") is not None for r in rows if r["method"] == m)
-    ]
+    methods = methods_with(rows, "mean_effective_multiplier")
     if not methods:
         return None
     import matplotlib
@@ -718,7 +719,7 @@ def plot_steps(rows: list[dict[str, Any]], out: Path) -> Path | None:
 def aggregation_table(rows: list[dict[str, Any]]) -> str:
     """Mean over rounds and seeds of the aggregation error (factor average vs average of the
     products) and of the applied update's, per averaging method and learning rate."""
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if any(r["aggregation_error"] is not None for r in rows if r["method"] == m)]
+    methods = methods_with(rows, "aggregation_error")
     if not methods:
         return ""
     lrs = sorted({r["lr"] for r in rows})

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -58,6 +59,19 @@ from fedtops_strategy.round import RoundResult, ScoreRows, Step, TrainAggregate,
 from fedtops_strategy.sampling import NodeSampler, NodesNotConnected, Silence, missing_replies, reply_nodes
 
 __all__ = ["NodesNotConnected", "ServerStrategy", "parse_replies"]
+
+
+@contextmanager
+def quiet_flower():
+    """Flower's logger at ERROR for the duration: a Flower strategy used for one part of the round
+    (the draw, a server optimizer's update) logs as if it ran the round."""
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        flwr_logger.setLevel(level)
 
 
 def parse_replies(sent: list[Message], replies: Iterable[Message], parse, expected: Expected, phase: str):
@@ -128,15 +142,10 @@ class ServerStrategy:
         skip_after: int = 0,
     ) -> None:
         # Flower's FedAvg for its seeded draw only: it aggregates and evaluates nothing
-        flwr_logger = logging.getLogger("flwr")
-        level = flwr_logger.level
-        flwr_logger.setLevel(logging.ERROR)  # fraction_evaluate = 0 is the design here: no warning
-        try:
+        with quiet_flower():  # fraction_evaluate = 0 is the design here: no warning
             self.flower = FedAvg(
                 fraction_train=fraction_train, fraction_evaluate=0.0, min_train_nodes=min_train_nodes, min_available_nodes=min_available_nodes
             )
-        finally:
-            flwr_logger.setLevel(level)
         # the updates (and score rows) a round has when every asked client answers: what the robust rules were checked for
         self.planned = clients_per_round(min_available_nodes, fraction_train, min_train_nodes)
         self.sampler = NodeSampler(sampling_seed, start_timeout)  # cross-round: the first round it waited in

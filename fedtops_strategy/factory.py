@@ -67,8 +67,8 @@ STRATEGIES: dict[str, StrategyBuilder] = {
     # Server optimizers on the average (issue "Does the teacher need to choose the step?")
     "fedexp": lambda cfg, common: FedExP(cfg.fedexp_epsilon, cfg.fedexp_average, **common),
     "fedavgm": lambda cfg, common: fedavgm.LoRAFedAvgM(_server_lr(cfg, fedavgm), cfg.server_momentum, **common),
-    "fedadam": lambda cfg, common: fedadam.LoRAFedAdam(_server_lr(cfg, fedadam), cfg.beta1, cfg.beta2, cfg.tau, **common),
-    "fedyogi": lambda cfg, common: fedyogi.LoRAFedYogi(_server_lr(cfg, fedyogi), cfg.beta1, cfg.beta2, cfg.tau, **common),
+    "fedadam": lambda cfg, common: fedadam.LoRAFedAdam(_server_lr(cfg, fedadam), cfg.tau, cfg.beta1, cfg.beta2, **common),
+    "fedyogi": lambda cfg, common: fedyogi.LoRAFedYogi(_server_lr(cfg, fedyogi), cfg.tau, cfg.beta1, cfg.beta2, **common),
     "fedadagrad": lambda cfg, common: fedadagrad.LoRAFedAdagrad(_server_lr(cfg, fedadagrad), cfg.tau, **common),
     "local": lambda cfg, common: LocalTraining(**common),
     "centralized": lambda cfg, common: Centralized(**common),

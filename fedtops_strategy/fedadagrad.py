@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from flwr.serverapp.strategy import FedAdagrad
 
-from fedtops_strategy.server_step import FlowerOptimizerStep
+from fedtops_strategy.server_step import FlowerFedOptStep
 
 DEFAULT_SERVER_LR = 0.1  # Flower's FedAdagrad
 
 
-class LoRAFedAdagrad(FlowerOptimizerStep):
+class LoRAFedAdagrad(FlowerFedOptStep):
     strategy_name = "fedadagrad"
-    STATE = ("m_t", "v_t")
-
-    def __init__(self, server_lr: float, tau: float, **kwargs) -> None:
-        super().__init__(lambda: FedAdagrad(fraction_evaluate=0.0, eta=server_lr, tau=tau), **kwargs)
+    FLOWER = FedAdagrad

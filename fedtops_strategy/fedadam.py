@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from flwr.serverapp.strategy import FedAdam
 
-from fedtops_strategy.server_step import FlowerOptimizerStep
+from fedtops_strategy.server_step import FlowerFedOptStep
 
 DEFAULT_SERVER_LR = 0.1  # Flower's FedAdam
 
 
-class LoRAFedAdam(FlowerOptimizerStep):
+class LoRAFedAdam(FlowerFedOptStep):
     strategy_name = "fedadam"
-    STATE = ("m_t", "v_t")
-
-    def __init__(self, server_lr: float, beta1: float, beta2: float, tau: float, **kwargs) -> None:
-        super().__init__(lambda: FedAdam(fraction_evaluate=0.0, eta=server_lr, beta_1=beta1, beta_2=beta2, tau=tau), **kwargs)
+    FLOWER = FedAdam

@@ -17,9 +17,7 @@ effective one, ‖θ_{t+1} − θ_t‖ / ‖Δ_t‖, with ``step-cosine`` (:func
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable
-from contextlib import contextmanager
 from logging import WARNING
 from typing import Any
 
@@ -28,7 +26,7 @@ from flwr.common.logger import log
 
 from fedopd.models.lora import Named, from_record
 from fedtops_strategy.averaging import Update, as_message
-from fedtops_strategy.base import ServerStrategy
+from fedtops_strategy.base import ServerStrategy, quiet_flower
 from fedtops_strategy.bounds import all_finite, update_norm
 from fedtops_strategy.round import Step, TrainAggregate, aggregation_errors, apply_step, step_geometry
 
@@ -87,13 +85,13 @@ class FlowerOptimizerStep(ServerStrategy):
         return Step(new, geometry["effective-multiplier"], details)
 
 
-@contextmanager
-def quiet_flower():
-    """Flower's logger at ERROR for the duration (its strategies log as if they ran the round)."""
-    flwr_logger = logging.getLogger("flwr")
-    level = flwr_logger.level
-    flwr_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        flwr_logger.setLevel(level)
+class FlowerFedOptStep(FlowerOptimizerStep):
+    """One of Flower's FedOpt rules (FedAdam, FedYogi, FedAdagrad: :attr:`FLOWER`) with η and τ,
+    and β₁, β₂ where the rule has them (FedAdagrad has none)."""
+
+    FLOWER: type
+    STATE = ("m_t", "v_t")
+
+    def __init__(self, server_lr: float, tau: float, beta1: float | None = None, beta2: float | None = None, **kwargs) -> None:
+        betas = {} if beta1 is None else {"beta_1": beta1, "beta_2": beta2}
+        super().__init__(lambda: self.FLOWER(fraction_evaluate=0.0, eta=server_lr, tau=tau, **betas), **kwargs)

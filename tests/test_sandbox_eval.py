@@ -334,3 +334,26 @@ def test_a_record_from_before_the_step_fields_reads_as_a_step_along_the_average(
     assert sandbox.step_fields({"strategy": "fedavg", "multiplier": 0.0}) == (0.0, None)  # a hold
     assert sandbox.step_fields({"strategy": "local", "multiplier": None}) == (None, None)
     assert sandbox.step_fields({"strategy": "fedadam", "multiplier": 2.0, "effective-multiplier": 2.0, "step-cosine": 0.4}) == (2.0, 0.4)
+
+
+def test_a_server_optimizer_is_compared_as_fedtops_minus_it_and_it_minus_fedavg(tmp_path):
+    rows = []
+    grades = {"fedavg": [0, 0, 1, 1], "fedtops": [1, 1, 1, 1], "fedadam": [0, 1, 1, 1]}
+    for method, g in grades.items():
+        run = tmp_path / method
+        run.mkdir()
+        np.savez(run / sandbox.GRADES, greedy=np.array(g, float), sampled=np.array(g, float)[:, None].repeat(2, axis=1))
+        rows.append({"method": method, "lr": 1e-3, "seed": 0, "run": str(run)})
+    found = {(d["a"], d["b"]): d["difference"] for d in sandbox.intervals(rows, draws=50) if d["metric"] == "accuracy"}
+    # FedTOPS − FedAdam = 100 − 75 = +25 pp; FedAdam − FedAvg = 75 − 50 = +25 pp
+    assert found == {("fedavg", "fedtops"): 50.0, ("fedadam", "fedtops"): 25.0, ("fedavg", "fedadam"): 25.0}
+
+
+def test_the_step_table_gives_each_rules_mean_multiplier_and_cosine_and_its_seconds_per_run():
+    rows = [
+        {"method": "fedadam", "lr": 1e-3, "seed": s, "mean_effective_multiplier": a, "mean_step_cosine": c, "seconds": t}
+        for s, (a, c, t) in enumerate(((2.0, 0.5, 10.0), (4.0, 0.7, 30.0)))
+    ] + [{"method": "local", "lr": 1e-3, "seed": 0, "mean_effective_multiplier": None, "seconds": 5.0}]
+    text = sandbox.step_table(rows)
+    assert "| FedAdam | 3.00 / 0.60 | 20 |" in text
+    assert "Local" not in text  # no step of its own

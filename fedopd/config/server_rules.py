@@ -11,8 +11,12 @@ from fedopd.core.errors import ConfigError
 from fedopd.core.settings import RunConfig
 from fedopd.core.strategies import CAPABILITIES, capabilities
 
-# every server optimizer's key, as a (run-config key, StrategySettings attribute) pair
-SERVER_KEYS = tuple((key, key.split(".", 1)[1].replace("-", "_")) for key in dict.fromkeys(k for c in CAPABILITIES.values() for k in c.server_keys))
+
+def server_keys() -> tuple[tuple[str, str], ...]:
+    """Every registered server optimizer's key, as a (run-config key, StrategySettings attribute)
+    pair (read when checked: a strategy registered later declares its own)."""
+    keys = dict.fromkeys(k for c in CAPABILITIES.values() for k in c.server_keys)
+    return tuple((key, key.split(".", 1)[1].replace("-", "_")) for key in keys)
 
 
 def users(key: str) -> str:
@@ -23,7 +27,7 @@ def users(key: str) -> str:
 def check_server_rule(cfg: RunConfig) -> None:
     s = cfg.strategy
     supports = capabilities(s.name)
-    for key, attr in SERVER_KEYS:
+    for key, attr in server_keys():
         if key not in supports.server_keys:
             only_defaults(s, ((key, attr),), f"has no effect with 'strategy.name' = {s.name!r}", f"strategy.name one of {users(key)}")
     if supports.update_norms and s.aggregator != "fedavg":
